@@ -1,0 +1,85 @@
+"""The lab header: which device to use, what is installed, and reproducible seeds."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import random
+
+import torch
+
+PACKAGES = ("torch", "transformers", "peft", "bitsandbytes")
+
+
+def pick_device(prefer: str | None = None) -> torch.device:
+    """CUDA, then Apple MPS, then CPU; `prefer` (or $GPULAB_DEVICE) forces one, e.g. "cpu"."""
+    prefer = prefer or os.environ.get("GPULAB_DEVICE") or None
+    if prefer:
+        device = torch.device(prefer)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("GPULAB_DEVICE asks for cuda but torch sees no CUDA GPU "
+                               f"(torch {torch.__version__}); unset it to run on the CPU")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def device_name(device: torch.device) -> str:
+    """A human name: the GPU's product name, or the CPU's architecture and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple GPU (MPS)"
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of a CUDA device; None elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def banner(device: torch.device) -> str:
+    """The lines every lab prints first: device, memory and the versions that matter."""
+    lines = [f"device: {device.type} - {device_name(device)}"]
+    mem = device_memory_bytes(device)
+    if mem is not None:
+        cap = torch.cuda.get_device_capability(device)
+        lines.append(f"GPU memory: {mem / 2**30:.1f} GiB, compute capability {cap[0]}.{cap[1]}")
+    else:
+        lines.append("no CUDA GPU: labs run their CPU preset and say what they cannot show")
+    lines.append(f"python {platform.python_version()}, " +
+                 ", ".join(f"{p} {package_version(p)}" for p in PACKAGES))
+    return "\n".join(lines)
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, torch (CPU and every GPU) and numpy when present."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def setup(seed: int = 0, prefer: str | None = None) -> torch.device:
+    """Pick the device, seed everything, print the banner; returns the device."""
+    device = pick_device(prefer)
+    seed_everything(seed)
+    print(banner(device))
+    return device

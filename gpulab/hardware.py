@@ -1,0 +1,88 @@
+"""Device peaks: the datasheet figures, and quick measurements of what this machine really reaches.
+
+Later labs report speed as a fraction of a peak (e.g. a fused kernel's GB/s against the measured copy
+bandwidth), so lab 00 measures the peaks once and caches them in ~/.cache/gpulab/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpulab.timing import benchmark
+
+
+@dataclass(frozen=True)
+class SpecPeak:
+    """Dense (no sparsity) datasheet peaks; None where the chip has no such unit."""
+
+    bf16_tflops: float | None
+    fp16_tflops: float
+    mem_bandwidth_gbs: float
+    source: str
+
+
+# Matched by substring of torch.cuda.get_device_name(); first match wins, so longer names go first.
+SPEC_PEAKS: dict[str, SpecPeak] = {
+    "H200": SpecPeak(989, 989, 4800, "NVIDIA H200 datasheet (SXM)"),
+    "H100": SpecPeak(989, 989, 3350, "NVIDIA H100 datasheet (SXM)"),
+    "A100": SpecPeak(312, 312, 2039, "NVIDIA A100 datasheet (80 GB SXM; 40 GB: 1555 GB/s)"),
+    "T4": SpecPeak(None, 65, 320, "NVIDIA T4 datasheet (no bf16 tensor cores)"),
+}
+
+
+def spec_peak(device_name: str) -> SpecPeak | None:
+    for key, peak in SPEC_PEAKS.items():
+        if key in device_name:
+            return peak
+    return None
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device | str, repeats: int = 10) -> float:
+    """Achieved TFLOP/s of an n x n x n matmul (2 n^3 floating-point operations)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = benchmark(lambda: a @ b, device, warmup=2, repeats=repeats)
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
+
+
+def copy_bandwidth_gbs(nbytes: int, device: torch.device | str, repeats: int = 10) -> float:
+    """Device memory bandwidth in GB/s from a tensor copy: it reads and writes `nbytes` each."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = benchmark(lambda: dst.copy_(src), device, warmup=2, repeats=repeats)
+    return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
+
+
+def host_to_device_gbs(nbytes: int, device: torch.device | str, pinned: bool, repeats: int = 10) -> float:
+    """Host-to-device copy bandwidth in GB/s, from pageable or page-locked (pinned) host memory."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    t = benchmark(lambda: dst.copy_(host, non_blocking=pinned), device, warmup=2, repeats=repeats)
+    return nbytes / (t.median_ms * 1e-3) / 1e9
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GPULAB_CACHE", Path.home() / ".cache" / "gpulab"))
+
+
+def save_measured(device_name: str, peaks: dict[str, float]) -> Path:
+    """Store this machine's measured peaks (lab 00) for later labs; returns the file written."""
+    path = cache_dir() / "measured-peaks.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[device_name] = peaks
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    return path
+
+
+def load_measured(device_name: str) -> dict[str, float] | None:
+    """Peaks lab 00 measured on a device of this name, or None if it has not run here."""
+    path = cache_dir() / "measured-peaks.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get(device_name)

@@ -1,0 +1,7 @@
+"""Training memory: predict it (`estimate`), and measure it from the tensors (`measure`)."""
+
+from gpulab.memory.calculator import PARTS, MemoryEstimate, TrainingSetup, activation_bytes, estimate, kv_cache_bytes
+from gpulab.memory.shapes import KNOWN_SHAPES, ModelShape
+
+__all__ = ["PARTS", "KNOWN_SHAPES", "MemoryEstimate", "ModelShape", "TrainingSetup", "activation_bytes",
+           "estimate", "kv_cache_bytes"]

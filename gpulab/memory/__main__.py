@@ -1,0 +1,5 @@
+import sys
+
+from gpulab.memory.cli import main
+
+sys.exit(main())

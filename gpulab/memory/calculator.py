@@ -1,0 +1,214 @@
+"""Predict training memory per GPU, part by part.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2019): with mixed precision and Adam a model of
+Psi parameters needs 2*Psi (16-bit weights) + 2*Psi (16-bit gradients) + 12*Psi (fp32 master weights and
+two moments) bytes, and ZeRO stages 1, 2, 3 split the optimizer states, then the gradients, then the
+weights over the data-parallel GPUs. The optimizer part includes the fp32 master copy, as in the paper.
+
+Activations are counted from the tensors that `transformers`' Llama layers save for backward (see
+`activation_bytes`), so lab 01 can hold the prediction against a measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from gpulab.memory.policy import Precision, get_optimizer, get_precision, optimizer_state_bytes
+from gpulab.memory.shapes import ModelShape
+
+PARTS = ("parameters", "gradients", "optimizer", "activations", "kv_cache")
+ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANT_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
+QUANT_BLOCK = 64  # QLoRA's block size for 4-bit weights
+DOUBLE_QUANT_BLOCK = 256  # block size of the second-level (8-bit) quantization of the absmax values
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How the model is trained; `batch_size` and `seq_len` are per GPU (one micro-batch)."""
+
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    zero_stage: int = 0
+    world_size: int = 1
+    batch_size: int = 1
+    seq_len: int = 0  # 0: activations are not counted
+    attention: str = "sdpa"  # "eager" also keeps the (batch, heads, seq, seq) attention probabilities
+    checkpointing: bool = False  # keep only each layer's input, recompute the rest in backward
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_targets: tuple[str, ...] = ALL_LINEARS
+    quantization: str | None = None  # frozen base weights in "nf4", "fp4" or "int8" (QLoRA)
+    double_quant: bool = True
+    kv_cache_len: int = 0  # tokens of KV cache held (inference); 0: none
+    kv_cache_batch: int = 1
+
+    def __post_init__(self) -> None:
+        get_precision(self.precision)
+        get_optimizer(self.optimizer)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        for name in ("world_size", "batch_size", "kv_cache_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("seq_len", "lora_rank", "kv_cache_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention must be 'sdpa' or 'eager', got {self.attention!r}")
+        if self.quantization is not None and self.quantization not in QUANT_BITS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANT_BITS)} or None")
+        unknown = set(self.lora_targets) - set(ALL_LINEARS)
+        if unknown:
+            raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {', '.join(ALL_LINEARS)}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU for each part of training."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    kv_cache: int
+    trainable_params: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, part) for part in PARTS)
+
+    def to_dict(self) -> dict[str, int]:
+        return {**{part: getattr(self, part) for part in PARTS}, "total": self.total}
+
+    def table(self, unit: str = "GB") -> str:
+        """A plain-text table; unit "GB" (10^9 bytes) or "GiB" (2^30 bytes)."""
+        scale = {"GB": 1e9, "GiB": 2**30, "MB": 1e6, "MiB": 2**20}[unit]
+        rows = [(part, getattr(self, part)) for part in PARTS] + [("total", self.total)]
+        lines = [f"{'part':<12} {unit:>12}"]
+        lines += [f"{name:<12} {value / scale:>12.3f}" for name, value in rows]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+Model = Union[ModelShape, int, float]
+
+
+def quantized_bytes_per_param(kind: str, double_quant: bool) -> float:
+    """Storage of one frozen weight: the code itself plus its share of the scaling constants."""
+    if kind == "int8":
+        return 1.0  # plus one fp32 scale per output row, added by the caller
+    constants = 4 / QUANT_BLOCK  # one fp32 absmax per block
+    if double_quant:  # absmax in 8 bits, with one fp32 constant per 256 of them (QLoRA, 0.127 bits)
+        constants = 1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * DOUBLE_QUANT_BLOCK)
+    return QUANT_BITS[kind] / 8 + constants
+
+
+def activation_bytes(shape: ModelShape, setup: TrainingSetup, act_bytes: int) -> float:
+    """Bytes saved for backward by one training forward of a `transformers` Llama model, per GPU.
+
+    Per token, each decoder layer saves (h hidden, i intermediate, kv = kv heads x head dim):
+    - two RMSNorms: input, normalized, and scaled output (3h each) plus an fp32 1/rms;
+    - attention with fused SDPA: q, k, v (h + 2kv), the output, which o_proj reads in place (h),
+      and an fp32 log-sum-exp per head; with eager attention k and v are first repeated to all
+      heads (q, k, v, o_proj input: 4h) and the softmax probabilities are kept,
+      heads x seq per token, which is the term that grows with the square of the sequence;
+    - the SwiGLU MLP: gate, SiLU(gate), up and their product (4i).
+    The head keeps the final norm (3h) and the fp32 log-softmax over the vocabulary; token ids and
+    labels are int64. With checkpointing a layer keeps only its input (h) and one layer at a time is
+    recomputed during backward. Exact for fp32 (lab 01 checks it); for 16-bit policies RMSNorm and
+    softmax still save some fp32 tensors, so the estimate is a little low.
+    """
+    b, s = setup.batch_size, setup.seq_len
+    tokens = b * s
+    h, i, kv, heads = shape.hidden_size, shape.intermediate_size, shape.kv_dim, shape.num_heads
+    if setup.attention == "eager":
+        attn = 4 * h * act_bytes + heads * s * 4
+    else:
+        attn = (2 * h + 2 * kv) * act_bytes + heads * 4
+    norms = 6 * h * act_bytes + 2 * 4
+    per_layer = tokens * (norms + attn + 4 * i * act_bytes)
+    rope = 2 * s * shape.head_dim * act_bytes  # cos and sin, shared by all layers
+    head = tokens * (3 * h * act_bytes + 4 + 4 * shape.vocab_size + 2 * 8) + 4  # + the loss
+    if setup.checkpointing:
+        return shape.num_layers * tokens * h * act_bytes + per_layer + head + rope
+    return shape.num_layers * per_layer + head + rope
+
+
+def kv_cache_bytes(shape: ModelShape, context: int, batch: int, elem_bytes: int) -> int:
+    """K and V for every layer, kv head and cached token: 2 x batch x layers x kv_heads x head_dim x context."""
+    return 2 * batch * shape.num_layers * shape.num_kv_heads * shape.head_dim * context * elem_bytes
+
+
+def _lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> tuple[int, list[tuple[int, ...]]]:
+    """Trainable parameters of LoRA adapters: A (r x in) and B (out x r) per targeted projection."""
+    tensors: list[tuple[int, ...]] = []
+    for name, (out_f, in_f) in shape.linear_shapes().items():
+        if name in targets:
+            tensors += [(rank, in_f), (out_f, rank)]
+    tensors = tensors * shape.num_layers
+    return sum(a * b for a, b in tensors), tensors
+
+
+def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate:
+    """Memory per GPU for training `model` (a `ModelShape`, or a parameter count) as `setup` says."""
+    setup = setup or TrainingSetup()
+    prec: Precision = get_precision(setup.precision)
+    opt = get_optimizer(setup.optimizer)
+    shape = model if isinstance(model, ModelShape) else None
+    if shape is None:
+        if isinstance(model, bool) or not isinstance(model, (int, float)) or model <= 0:
+            raise ValueError(f"model must be a ModelShape or a positive parameter count, got {model!r}")
+        if setup.lora_rank or setup.quantization or setup.seq_len or setup.kv_cache_len:
+            raise ValueError("LoRA, quantization, activations and the KV cache need a model shape, not a count")
+    num_params = shape.num_params if shape else float(model)
+    notes: list[str] = []
+
+    # Frozen and trainable weights.
+    if setup.lora_rank:
+        assert shape is not None
+        trainable, train_shapes = _lora_params(shape, setup.lora_rank, setup.lora_targets)
+        frozen_elem = 4 if prec.name == "fp32" else 2
+        linear = shape.num_layers * shape.layer_linear_params()
+        if setup.quantization:
+            per = quantized_bytes_per_param(setup.quantization, setup.double_quant)
+            frozen = linear * per + (num_params - linear) * frozen_elem
+            if setup.quantization == "int8":
+                frozen += shape.num_layers * sum(o for o, _ in shape.linear_shapes().values()) * 4
+        else:
+            frozen = num_params * frozen_elem
+        param_bytes = frozen + trainable * prec.weight_bytes
+        notes.append(f"LoRA r={setup.lora_rank}: {trainable:,} trainable of {num_params + trainable:,.0f}")
+    else:
+        if setup.quantization:
+            raise ValueError("quantized base weights are frozen: set lora_rank to train adapters (QLoRA)")
+        trainable, train_shapes = int(num_params), (shape.param_tensor_shapes() if shape else None)
+        param_bytes = num_params * prec.weight_bytes
+
+    grad_bytes = trainable * prec.grad_bytes
+    opt_bytes = trainable * prec.master_bytes + optimizer_state_bytes(opt, prec, train_shapes, trainable)
+
+    # ZeRO: stage 1 shards optimizer states, 2 also gradients, 3 also the weights.
+    n = setup.world_size
+    if setup.zero_stage >= 1:
+        opt_bytes /= n
+    if setup.zero_stage >= 2:
+        grad_bytes /= n
+    if setup.zero_stage >= 3:
+        param_bytes /= n
+    if setup.zero_stage and n == 1:
+        notes.append("ZeRO with one GPU shards nothing")
+
+    acts = activation_bytes(shape, setup, prec.act_bytes) if shape and setup.seq_len else 0.0
+    kv = kv_cache_bytes(shape, setup.kv_cache_len, setup.kv_cache_batch, prec.act_bytes) if shape else 0
+    if not setup.seq_len:
+        notes.append("activations not counted (no sequence length given)")
+    return MemoryEstimate(
+        parameters=round(param_bytes),
+        gradients=round(grad_bytes),
+        optimizer=round(opt_bytes),
+        activations=round(acts),
+        kv_cache=round(kv),
+        trainable_params=int(trainable),
+        notes=tuple(notes),
+    )

@@ -1,0 +1,57 @@
+"""Named presets: one notebook runs in CI on a CPU (`tiny`) and on a GPU with a bigger model.
+
+A lab's parameters cell calls `get_preset()`; `$GPULAB_PRESET` overrides the choice, so
+`GPULAB_PRESET=small jupyter nbconvert --execute ...` runs the GPU size without editing the notebook.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gpulab.memory.shapes import KNOWN_SHAPES, ModelShape
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape and the batch geometry and step count the labs use with it."""
+
+    name: str
+    shape: ModelShape
+    batch_size: int
+    seq_len: int
+    steps: int
+    lr: float
+    description: str
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("tiny", ModelShape(512, 256, 688, 4, 4, 2), 8, 64, 40, 3e-3,
+               "4.4M params: seconds per lab on a laptop CPU (CI)"),
+        Preset("small", ModelShape(32768, 768, 2048, 12, 12, 4), 16, 512, 200, 1e-3,
+               "~140M params: a GPU with 8 GB or more"),
+        Preset("1b", KNOWN_SHAPES["llama3-1b"], 8, 1024, 100, 3e-4,
+               "Llama-3.2-1B shape (random init): a GPU with 24 GB or more"),
+    ]
+}
+
+ENV_VAR = "GPULAB_PRESET"
+
+
+def get_preset(name: str | None = None, device: torch.device | None = None) -> Preset:
+    """The preset `name`, else $GPULAB_PRESET, else `tiny` on CPU/MPS and `small` on CUDA."""
+    name = name or os.environ.get(ENV_VAR) or "auto"
+    if name == "auto":
+        name = "small" if device is not None and device.type == "cuda" else "tiny"
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (from the parameters cell or ${ENV_VAR}); "
+                         f"choose one of: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    if name != "tiny" and (device is None or device.type != "cuda"):
+        print(f"note: preset {name!r} is sized for a CUDA GPU; on {device} it may take a long time. "
+              f"Use {ENV_VAR}=tiny for a quick run.")
+    return preset
