@@ -1,0 +1,105 @@
+"""Unit tests for gpulab's small modules: environment, presets, data, timing, checks, reports."""
+
+import pytest
+import torch
+
+from gpulab import checks, env, hardware, presets, report, timing
+from gpulab.data import IGNORE_INDEX, TASKS, encode, load_task, make_examples, train_tokenizer
+
+
+def test_pick_device_prefers_gpu_then_cpu(monkeypatch):
+    monkeypatch.delenv("GPULAB_DEVICE", raising=False)
+    expected = "cuda" if torch.cuda.is_available() else None
+    device = env.pick_device()
+    assert device.type == (expected or device.type) and device.type in {"cuda", "mps", "cpu"}
+    assert env.pick_device("cpu").type == "cpu"
+
+
+def test_pick_device_explains_missing_cuda(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setenv("GPULAB_DEVICE", "cuda")
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        env.pick_device()
+
+
+def test_banner_names_device_and_versions():
+    text = env.banner(torch.device("cpu"))
+    assert text.startswith("device: cpu") and "torch " in text and "transformers " in text
+
+
+def test_seed_everything_repeats():
+    env.seed_everything(3)
+    a = torch.rand(3)
+    env.seed_everything(3)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_presets_env_override_and_errors(monkeypatch):
+    monkeypatch.delenv(presets.ENV_VAR, raising=False)
+    assert presets.get_preset(device=torch.device("cpu")).name == "tiny"
+    assert presets.get_preset(device=torch.device("cuda")).name == "small"
+    monkeypatch.setenv(presets.ENV_VAR, "tiny")
+    assert presets.get_preset(device=torch.device("cuda")).name == "tiny"
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        presets.get_preset("huge")
+
+
+def test_examples_are_deterministic_and_correct():
+    examples = make_examples(50, seed=1)
+    assert examples == make_examples(50, seed=1) and examples != make_examples(50, seed=2)
+    for ex in examples:
+        task, letters = ex.instruction.split(": ")
+        assert " ".join(TASKS[task](letters.split())) == ex.response
+
+
+def test_encode_masks_prompt_and_padding():
+    examples = make_examples(20)
+    tok = train_tokenizer(examples, vocab_size=300)
+    data = encode(examples, tok, seq_len=48)
+    ids, labels, mask = data["input_ids"], data["labels"], data["attention_mask"]
+    assert ids.shape == labels.shape == mask.shape == (20, 48)
+    assert (labels[mask == 0] == IGNORE_INDEX).all()
+    first = labels[0][labels[0] != IGNORE_INDEX]
+    assert tok.decode(first[:-1]) == examples[0].response and first[-1] == tok.eos_token_id
+
+
+def test_task_batches_have_shape():
+    task = load_task(seq_len=32, n_train=64, n_eval=8)
+    batch = next(task.batches(8))
+    assert batch["input_ids"].shape == (8, 32)
+
+
+def test_benchmark_reports_median():
+    calls = []
+    t = timing.benchmark(lambda: calls.append(1), warmup=2, repeats=5)
+    assert len(calls) == 7 and t.min_ms <= t.median_ms <= t.max_ms and t.repeats == 5
+    with pytest.raises(ValueError):
+        timing.benchmark(lambda: None, repeats=0)
+
+
+def test_check_prints_verdict_and_raises(capsys):
+    checks.check(True, "works", measured="1.0 ms")
+    assert capsys.readouterr().out == "PASS: works [measured: 1.0 ms]\n"
+    with pytest.raises(AssertionError, match="FAIL: broken"):
+        checks.check(False, "broken")
+
+
+def test_markdown_table():
+    text = report.markdown_table([{"a": 1, "b": 2.5}, {"a": 1234567, "b": "x"}], title="T")
+    assert "| a | b |" in text and "| 1,234,567 | x |" in text and text.startswith("**T**")
+
+
+def test_spec_peaks_and_cache(tmp_path, monkeypatch):
+    assert hardware.spec_peak("NVIDIA H200").mem_bandwidth_gbs == 4800
+    assert hardware.spec_peak("Tesla T4").bf16_tflops is None
+    assert hardware.spec_peak("CPU") is None
+    monkeypatch.setenv("GPULAB_CACHE", str(tmp_path))
+    assert hardware.load_measured("cpu") is None
+    hardware.save_measured("cpu", {"copy_gbs": 10.0})
+    assert hardware.load_measured("cpu") == {"copy_gbs": 10.0}
+
+
+def test_measurement_helpers_on_cpu():
+    assert hardware.matmul_tflops(64, torch.float32, "cpu", repeats=2) > 0
+    assert hardware.copy_bandwidth_gbs(1 << 16, "cpu", repeats=2) > 0

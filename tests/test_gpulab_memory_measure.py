@@ -1,0 +1,38 @@
+"""Measured bytes match the calculator exactly for a real transformers Llama in fp32."""
+
+import pytest
+import torch
+
+from gpulab.memory import ModelShape, TrainingSetup, estimate
+from gpulab.memory import measure
+from gpulab.models import build_model
+
+SHAPE = ModelShape(vocab_size=200, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def test_tensor_bytes_counts_shared_storage_once():
+    x = torch.zeros(10, 10)
+    assert measure.tensor_bytes([x, x[0], x.view(100)]) == 400
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_training_step_matches_calculator(attention):
+    model = build_model(SHAPE, attn_implementation=attention)
+    ids = torch.randint(0, SHAPE.vocab_size, (3, 16))
+    setup = TrainingSetup(precision="fp32", optimizer="adamw", batch_size=3, seq_len=16, attention=attention)
+    predicted = estimate(SHAPE, setup)
+    act_bytes, loss = measure.saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    loss.backward()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    assert measure.parameter_bytes(model) == predicted.parameters
+    assert measure.gradient_bytes(model) == predicted.gradients
+    assert measure.optimizer_state_bytes(opt) == predicted.optimizer
+    assert act_bytes == predicted.activations
+
+
+def test_cuda_peak_is_none_without_cuda():
+    if torch.cuda.is_available():
+        assert measure.cuda_peak_bytes() is not None
+    else:
+        assert measure.cuda_peak_bytes() is None

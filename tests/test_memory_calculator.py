@@ -1,0 +1,125 @@
+"""The calculator against published figures and against itself."""
+
+import pytest
+
+from gpulab.memory import KNOWN_SHAPES, ModelShape, TrainingSetup, estimate
+from gpulab.memory.calculator import quantized_bytes_per_param
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_worked_example(stage, expected_gb):
+    # ZeRO (Rajbhandari et al. 2019) Table 1 / Sec. 5: 7.5B parameters, 64 GPUs, mixed-precision Adam.
+    est = estimate(7.5e9, TrainingSetup(precision="bf16", optimizer="adamw", zero_stage=stage, world_size=64))
+    assert round(est.total / GB, 1) == expected_gb
+
+
+def test_mixed_precision_adam_is_16_bytes_per_param():
+    est = estimate(1e9, TrainingSetup(precision="bf16", optimizer="adamw"))
+    assert (est.parameters, est.gradients, est.optimizer) == (2e9, 2e9, 12e9)
+
+
+@pytest.mark.parametrize("optimizer, bytes_per_param", [
+    ("sgd", 8), ("sgd-momentum", 12), ("adamw", 16), ("lion", 12), ("adamw-8bit", 10 + 8 / 256),
+])
+def test_optimizers_per_param_mixed_precision(optimizer, bytes_per_param):
+    # Transformer Math 101: master copy 4 + momentum 4 (SGD+momentum: 8 in the optimizer), 8-bit Adam 6.
+    est = estimate(1e6, TrainingSetup(precision="bf16", optimizer=optimizer))
+    assert est.total == pytest.approx(bytes_per_param * 1e6)
+
+
+def test_fp32_adamw_counts_torch_step_tensors_when_shape_known():
+    shape = ModelShape(100, 32, 64, 2, 4, 2)
+    est = estimate(shape, TrainingSetup(precision="fp32", optimizer="adamw"))
+    n_tensors = len(shape.param_tensor_shapes())
+    assert est.optimizer == 8 * shape.num_params + 4 * n_tensors
+
+
+def test_adafactor_factors_matrices():
+    shape = ModelShape(100, 32, 64, 1, 4, 2)
+    est = estimate(shape, TrainingSetup(precision="fp32", optimizer="adafactor"))
+    expected = sum((s[0] + s[1]) * 4 if len(s) == 2 else s[0] * 4 for s in shape.param_tensor_shapes())
+    assert est.optimizer == expected + 4 * len(shape.param_tensor_shapes())
+    assert est.optimizer < 0.1 * estimate(shape, TrainingSetup(precision="fp32", optimizer="adamw")).optimizer
+
+
+def test_zero_stages_shard_the_right_parts():
+    base = estimate(1e9, TrainingSetup(world_size=8))
+    s1 = estimate(1e9, TrainingSetup(zero_stage=1, world_size=8))
+    s2 = estimate(1e9, TrainingSetup(zero_stage=2, world_size=8))
+    s3 = estimate(1e9, TrainingSetup(zero_stage=3, world_size=8))
+    assert s1.optimizer == base.optimizer / 8 and s1.gradients == base.gradients
+    assert s2.gradients == base.gradients / 8 and s2.parameters == base.parameters
+    assert s3.parameters == base.parameters / 8
+
+
+def test_known_shapes_match_published_parameter_counts():
+    # Llama 3 model cards: 1.24B (3.2-1B, tied), 8.03B, 70.6B
+    assert KNOWN_SHAPES["llama3-1b"].num_params == 1_235_814_400
+    assert KNOWN_SHAPES["llama3-8b"].num_params == 8_030_261_248
+    assert KNOWN_SHAPES["llama3-70b"].num_params == 70_553_706_496
+
+
+def test_model_shape_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    shape = ModelShape(300, 64, 160, 2, 4, 2)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape.to_config_kwargs()))
+    assert sum(p.numel() for p in model.parameters()) == shape.num_params
+    assert [tuple(p.shape) for p in model.parameters()] == shape.param_tensor_shapes()
+    assert ModelShape.from_config(model.config) == shape
+
+
+def test_kv_cache_formula_llama3_8b():
+    # 2 (K,V) x 32 layers x 8 kv heads x 128 head dim x 2 bytes = 128 KiB per token
+    est = estimate(KNOWN_SHAPES["llama3-8b"], TrainingSetup(kv_cache_len=8192, kv_cache_batch=1))
+    assert est.kv_cache == 131072 * 8192
+
+
+def test_activations_grow_quadratically_only_with_eager_attention():
+    shape = KNOWN_SHAPES["llama3-1b"]
+
+    def acts(seq, attention):
+        return estimate(shape, TrainingSetup(seq_len=seq, attention=attention)).activations
+
+    assert acts(4096, "sdpa") / acts(2048, "sdpa") == pytest.approx(2, rel=0.01)
+    assert acts(4096, "eager") / acts(2048, "eager") > 2.5
+
+
+def test_checkpointing_saves_activation_memory():
+    shape = KNOWN_SHAPES["llama3-8b"]
+    full = estimate(shape, TrainingSetup(seq_len=4096)).activations
+    ckpt = estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True)).activations
+    assert ckpt < full / 5
+
+
+def test_qlora_bits_per_parameter():
+    # QLoRA: double quantization cuts the constants from 0.5 to 0.127 bits per parameter
+    assert (quantized_bytes_per_param("nf4", False) * 8 - 4) == pytest.approx(0.5)
+    assert (quantized_bytes_per_param("nf4", True) * 8 - 4) == pytest.approx(0.127, abs=1e-3)
+
+
+def test_lora_trains_only_adapters():
+    shape = KNOWN_SHAPES["llama3-8b"]
+    est = estimate(shape, TrainingSetup(lora_rank=16, lora_targets=("q_proj", "v_proj")))
+    # per layer: A (16 x 4096) + B (4096 x 16) for q, A (16 x 4096) + B (1024 x 16) for v
+    assert est.trainable_params == 32 * 16 * (4096 + 4096 + 4096 + 1024)
+    assert est.gradients == 2 * est.trainable_params
+    qlora = estimate(shape, TrainingSetup(lora_rank=16, quantization="nf4"))
+    assert qlora.parameters < 0.4 * estimate(shape, TrainingSetup()).parameters
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"zero_stage": 4}, {"world_size": 0}, {"optimizer": "adamax"}, {"precision": "fp8"},
+    {"seq_len": -1}, {"attention": "flash"}, {"quantization": "nf3"}, {"lora_targets": ("wq",)},
+])
+def test_bad_setups_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        TrainingSetup(**kwargs)
+
+
+def test_count_only_rejects_what_needs_shapes():
+    with pytest.raises(ValueError, match="shape"):
+        estimate(1e9, TrainingSetup(lora_rank=8))
+    with pytest.raises(ValueError):
+        estimate(-5, TrainingSetup())
