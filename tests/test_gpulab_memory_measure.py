@@ -16,12 +16,17 @@ def test_tensor_bytes_counts_shared_storage_once():
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_training_step_matches_calculator(attention):
+@pytest.mark.parametrize("padded", [False, True])
+def test_training_step_matches_calculator(attention, padded):
     model = build_model(SHAPE, attn_implementation=attention)
-    ids = torch.randint(0, SHAPE.vocab_size, (3, 16))
-    setup = TrainingSetup(precision="fp32", optimizer="adamw", batch_size=3, seq_len=16, attention=attention)
+    ids = torch.randint(4, SHAPE.vocab_size, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[0, 10:] = 0  # one padded sequence: the model now gets an explicit attention mask
+    inputs = {"input_ids": ids, "labels": ids, **({"attention_mask": mask} if padded else {})}
+    setup = TrainingSetup(precision="fp32", optimizer="adamw", batch_size=3, seq_len=16, attention=attention,
+                          padding_mask=padded)
     predicted = estimate(SHAPE, setup)
-    act_bytes, loss = measure.saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    act_bytes, loss = measure.saved_activation_bytes(model, lambda: model(**inputs).loss)
     loss.backward()
     opt = torch.optim.AdamW(model.parameters())
     opt.step()

@@ -35,6 +35,7 @@ class TrainingSetup:
     batch_size: int = 1
     seq_len: int = 0  # 0: activations are not counted
     attention: str = "sdpa"  # "eager" also keeps the (batch, heads, seq, seq) attention probabilities
+    padding_mask: bool = False  # batches padded to a length: SDPA then gets an explicit (b, 1, s, s) mask
     checkpointing: bool = False  # keep only each layer's input, recompute the rest in backward
     lora_rank: int = 0  # 0: full fine-tuning
     lora_targets: tuple[str, ...] = ALL_LINEARS
@@ -115,7 +116,8 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup, act_bytes: int) ->
       heads x seq per token, which is the term that grows with the square of the sequence;
     - the SwiGLU MLP: gate, SiLU(gate), up and their product (4i).
     The head keeps the final norm (3h) and the fp32 log-softmax over the vocabulary; token ids and
-    labels are int64. With checkpointing a layer keeps only its input (h) and one layer at a time is
+    labels are int64. A padded batch (`padding_mask`) hands SDPA an explicit (b, 1, s, s) mask, which
+    every layer keeps, and k and v are then repeated to all heads as in eager. With checkpointing a layer keeps only its input (h) and one layer at a time is
     recomputed during backward. Exact for fp32 (lab 01 checks it); for 16-bit policies RMSNorm and
     softmax still save some fp32 tensors, so the estimate is a little low.
     """
@@ -124,15 +126,19 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup, act_bytes: int) ->
     h, i, kv, heads = shape.hidden_size, shape.intermediate_size, shape.kv_dim, shape.num_heads
     if setup.attention == "eager":
         attn = 4 * h * act_bytes + heads * s * 4
+    elif setup.padding_mask:
+        attn = 4 * h * act_bytes + heads * 4
     else:
         attn = (2 * h + 2 * kv) * act_bytes + heads * 4
     norms = 6 * h * act_bytes + 2 * 4
     per_layer = tokens * (norms + attn + 4 * i * act_bytes)
-    rope = 2 * s * shape.head_dim * act_bytes  # cos and sin, shared by all layers
+    if setup.padding_mask and setup.attention == "sdpa":
+        per_layer += b * s * s * act_bytes  # each layer keeps its own copy of the mask
+    shared = 2 * s * shape.head_dim * act_bytes  # RoPE's cos and sin, kept once for all layers
     head = tokens * (3 * h * act_bytes + 4 + 4 * shape.vocab_size + 2 * 8) + 4  # + the loss
     if setup.checkpointing:
-        return shape.num_layers * tokens * h * act_bytes + per_layer + head + rope
-    return shape.num_layers * per_layer + head + rope
+        return shape.num_layers * tokens * h * act_bytes + per_layer + head + shared
+    return shape.num_layers * per_layer + head + shared
 
 
 def kv_cache_bytes(shape: ModelShape, context: int, batch: int, elem_bytes: int) -> int:
