@@ -1,0 +1,105 @@
+"""The course's shape: every chapter has its lab, both are in the TOC, and every lab follows the pattern
+(banner, parameters cell, checks, stored outputs in order, nothing private or downloaded)."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted(p for p in (ROOT / "chapters").glob("[0-9][0-9]-*.md"))
+LABS = sorted((ROOT / "labs").glob("[0-9][0-9]-*.ipynb"))
+
+SECRET = re.compile(r"hf_[A-Za-z0-9]{20,}|ghp_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9]{20,}|(?i:\btoken\s*=\s*['\"][^'\"]+['\"])")
+DOWNLOAD = re.compile(r"hf_hub_download|snapshot_download|load_dataset\(|urlretrieve|requests\.get|wget |curl ")
+MACHINE_PATH = re.compile(r"(/home/\w|/Users/\w|/root/|/work/|/tmp/|[A-Z]:\\\\Users)")
+
+
+def toc_files():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                files.append(entry["file"])
+            walk(entry.get("sections"))
+            walk(entry.get("chapters"))
+
+    for part in toc.get("parts", []):
+        walk(part.get("chapters"))
+    return files
+
+
+def test_toc_lists_only_existing_pages():
+    for f in toc_files():
+        assert (ROOT / f"{f}.md").exists() or (ROOT / f"{f}.ipynb").exists(), f"_toc.yml lists missing {f}"
+
+
+def test_every_chapter_has_its_lab_and_both_are_in_the_toc():
+    listed = set(toc_files())
+    assert CHAPTERS and LABS
+    lab_numbers = {lab.name[:2]: lab for lab in LABS}
+    for chapter in CHAPTERS:
+        number = chapter.name[:2]
+        assert number in lab_numbers, f"{chapter.name} has no labs/{number}-*.ipynb"
+        assert f"chapters/{chapter.stem}" in listed, f"{chapter.name} is not in _toc.yml"
+        assert f"labs/{lab_numbers[number].stem}" in listed, f"{lab_numbers[number].name} is not in _toc.yml"
+    for lab in LABS:
+        assert any(c.name[:2] == lab.name[:2] for c in CHAPTERS), f"{lab.name} has no chapter"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_follows_the_style(chapter):
+    text = chapter.read_text()
+    for heading in ("## Summary", "## Exercises", "## References"):
+        assert heading in text, f"{chapter.name} lacks {heading}"
+    assert text.count("{exercise}") >= 2, "at least two exercises"
+    assert text.count("{solution}") >= text.count("{exercise}"), "every exercise has a solution"
+    assert "{bibliography}" in text and "{cite" in text
+    own_labs = [lab.stem for lab in LABS if lab.name[:2] == chapter.name[:2]]
+    assert any(f"labs/{stem}" in text for stem in own_labs), "the chapter links its lab"
+
+
+def code_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.name)
+def test_lab_follows_the_pattern(lab):
+    nb = nbformat.read(lab, as_version=4)
+    cells = code_cells(nb)
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "), "title first"
+    assert "../chapters/" in nb.cells[0].source or lab.name.startswith("00"), "the title links the chapter"
+    setup = cells[0]
+    assert "setup(" in setup.source and "NBVAL_IGNORE_OUTPUT" in setup.source, "first code cell prints the banner"
+    params = [c for c in cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1, "exactly one cell tagged `parameters`"
+    assert "GPULAB_PRESET" in params[0].source, "the preset can be overridden from the environment"
+    if params[0].outputs:
+        assert "nbval-ignore-output" in params[0].metadata["tags"], "the preset printed differs by machine"
+    assert any("check(" in c.source for c in cells), "at least one check"
+    assert "Try it" in "".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.name)
+def test_lab_has_stored_outputs_in_order(lab):
+    nb = nbformat.read(lab, as_version=4)
+    counts = [c.execution_count for c in code_cells(nb)]
+    assert None not in counts, "every code cell was executed (run `make refresh`)"
+    assert counts == list(range(1, len(counts) + 1)), f"execution counts out of order: {counts}"
+    outputs = [o for c in code_cells(nb) for o in c.outputs]
+    assert any(o.get("name") == "stdout" and "PASS:" in o.get("text", "") for o in outputs), "checks ran"
+    assert not [o for o in outputs if o.output_type == "error"], "a stored error"
+
+
+@pytest.mark.parametrize("path", LABS + sorted((ROOT / "labs" / "scripts").glob("*.py")), ids=lambda p: p.name)
+def test_no_secrets_downloads_or_machine_paths(path):
+    text = path.read_text()
+    assert not SECRET.search(text), "a token"
+    assert not DOWNLOAD.search(text), "a download at run time"
+    match = MACHINE_PATH.search(text)
+    assert not match, f"a machine-specific path: {match.group(0) if match else ''}"
+    assert "trust_remote_code=True" not in text
