@@ -23,7 +23,45 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-static: $(STAMP)
+# --- static: the JavaScript the book serves itself, so pages render offline (no CDN) ----------
+# Pinned npm packages, fetched once with `npm pack` (npm checks each tarball against the registry's
+# integrity hash; published versions are immutable). File targets: nothing is fetched again while
+# the files exist, and a new version is a new path. The same paths appear in _config.yml.
+NPM                 ?= npm
+VENDOR              := _static/vendor
+MATHJAX_VERSION     := 3.2.2
+REQUIREJS_VERSION   := 2.3.8
+HTMLMANAGER_VERSION := 1.0.15
+# tex-svg-full: one self-contained file (all TeX extensions, glyphs as SVG paths, no web fonts)
+MATHJAX_JS          := $(VENDOR)/mathjax@$(MATHJAX_VERSION)/tex-svg-full.js
+REQUIRE_JS          := $(VENDOR)/requirejs@$(REQUIREJS_VERSION)/require.js
+WIDGETS_JS          := $(VENDOR)/html-manager@$(HTMLMANAGER_VERSION)/embed-amd.js
+VENDOR_FILES        := $(MATHJAX_JS) $(REQUIRE_JS) $(WIDGETS_JS)
+
+# $(call npm-files,package@version,file,more files): from the npm tarball of that package, copy
+# package/<file> to $@ and any package/<more files> (globs) next to it. $@ is written last, through
+# $@.part, so an interrupted fetch never leaves a target that looks complete.
+define npm-files
+	@command -v $(NPM) >/dev/null || { echo "make static needs npm (e.g. apt-get install npm)" >&2; exit 1; }
+	@echo "fetch $(1): $(2) $(3) -> $(@D)/"
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  (cd "$$tmp" && $(NPM) pack --silent --loglevel=error $(1) >/dev/null) && \
+	  tar -xzf "$$tmp"/*.tgz -C "$$tmp" && mkdir -p $(@D) && \
+	  for f in $(addprefix "$$tmp"/package/,$(3)); do cp "$$f" $(@D)/ || exit 1; done && \
+	  cp "$$tmp/package/$(2)" $@.part && mv $@.part $@
+endef
+
+$(MATHJAX_JS):
+	$(call npm-files,mathjax@$(MATHJAX_VERSION),es5/tex-svg-full.js)
+
+$(REQUIRE_JS):
+	$(call npm-files,requirejs@$(REQUIREJS_VERSION),require.js)
+
+# embed-amd.js bundles the built-in widgets; the woff2 fonts are its icons (older formats unused)
+$(WIDGETS_JS):
+	$(call npm-files,@jupyter-widgets/html-manager@$(HTMLMANAGER_VERSION),dist/embed-amd.js,dist/*.woff2)
+
+static: $(VENDOR_FILES)
 
 book: install static
 	$(BIN)/jupyter-book build . -W -n --keep-going
