@@ -1,0 +1,292 @@
+"""The book: a strict build with every page of the table of contents, and pages that render offline.
+
+One build (`jupyter-book build -W -n --keep-going`) into a temporary folder serves every test. The
+browser test opens the built pages from file:// in Debian's chromium through Playwright, blocks and
+records every http(s) request, and checks that MathJax typeset the math, that plots and widgets
+appeared, and that the console stayed free of errors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = Path("/usr/bin/chromium")
+IN_CI = bool(os.environ.get("CI"))
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+REMOTE = re.compile(r"^(https?:)?//", re.IGNORECASE)  # http://, https:// and protocol-relative //
+
+
+# ---------------------------------------------------------------------------------------------
+# What the book should contain
+
+
+def toc_docnames() -> list[str]:
+    """Every document named in _toc.yml (root first), without suffix."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    names = [toc["root"]]
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                names.append(entry["file"])
+            walk(entry.get("sections"))
+            walk(entry.get("chapters"))
+
+    walk(toc.get("parts"))
+    walk(toc.get("chapters"))
+    return [re.sub(r"\.(md|ipynb)$", "", n) for n in names]
+
+
+def vendored_files() -> list[Path]:
+    """The static files _config.yml loads from _static (MathJax, the widget scripts)."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]
+    uris = [config["mathjax_path"], *config.get("nb_ipywidgets_js", {})]
+    assert not [u for u in uris if REMOTE.match(u)], f"web URLs in _config.yml: {uris}"
+    return [ROOT / "_static" / u for u in uris]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: the static files, one build
+
+
+@pytest.fixture(scope="module")
+def static_files() -> list[Path]:
+    missing = [p for p in vendored_files() if not p.is_file()]
+    if missing:  # fetch them as `make book` would (needs npm and the npm registry)
+        proc = subprocess.run(["make", "static"], cwd=ROOT, capture_output=True, text=True)
+        missing = [p for p in vendored_files() if not p.is_file()]
+        if proc.returncode or missing:
+            pytest.fail(f"vendored JavaScript missing ({', '.join(map(str, missing))}): run `make static`"
+                        f" (needs npm)\n{proc.stdout}{proc.stderr}")
+    return vendored_files()
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory, static_files):
+    """(exit status, log, html folder) of one strict build into a temporary folder."""
+    out = tmp_path_factory.mktemp("book")
+    exe = Path(sys.executable).with_name("jupyter-book")
+    cmd = [str(exe) if exe.exists() else shutil.which("jupyter-book") or "jupyter-book",
+           "build", str(ROOT), "-W", "-n", "--keep-going", "--path-output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    return proc.returncode, proc.stdout + proc.stderr, out / "_build" / "html"
+
+
+@pytest.fixture(scope="module")
+def html(build) -> Path:
+    status, log, folder = build
+    assert (folder / "index.html").is_file(), f"no HTML written:\n{log[-5000:]}"
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# The build
+
+
+def test_build_has_no_warnings(build):
+    status, log, _ = build
+    problems = [line for line in log.splitlines() if re.search(r"WARNING|ERROR|CRITICAL", line)]
+    assert status == 0 and not problems, "jupyter-book build -W -n failed:\n" + "\n".join(
+        problems or log.splitlines()[-40:])
+
+
+def test_every_toc_page_is_built(html):
+    missing = [name for name in toc_docnames() if not (html / f"{name}.html").is_file()]
+    assert not missing, f"pages in _toc.yml without HTML: {missing}"
+
+
+class _Resources(HTMLParser):
+    """The URLs a page makes the browser fetch: scripts, stylesheets and other linked files,
+    images, frames, media, plus the html-manager's CDN setting."""
+
+    FETCHED_LINKS = {"stylesheet", "preload", "modulepreload", "prefetch", "preconnect",
+                     "dns-prefetch", "icon", "manifest"}
+
+    def __init__(self):
+        super().__init__()
+        self.urls: list[tuple[str, str]] = []  # (what, url)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "script" and a.get("src"):
+            self.urls.append(("script", a["src"]))
+        if tag == "link" and a.get("href") and self.FETCHED_LINKS & set((a.get("rel") or "").split()):
+            self.urls.append((f"link rel={a['rel']}", a["href"]))
+        if tag in {"img", "iframe", "embed", "source", "audio", "video", "track", "input"} and a.get("src"):
+            self.urls.append((tag, a["src"]))
+        if a.get("data-jupyter-widgets-cdn"):
+            self.urls.append(("data-jupyter-widgets-cdn", a["data-jupyter-widgets-cdn"]))
+
+
+def built_pages(html: Path) -> list[Path]:
+    """The HTML pages (not the theme's template fragments that sit in _static/)."""
+    return sorted(p for p in html.rglob("*.html") if "_static" not in p.relative_to(html).parts)
+
+
+def page_resources(page: Path) -> list[tuple[str, str]]:
+    parser = _Resources()
+    parser.feed(page.read_text(encoding="utf-8"))
+    return parser.urls
+
+
+def test_no_page_loads_from_the_web(html):
+    remote = [f"{page.relative_to(html)}: <{what}> {url}"
+              for page in built_pages(html) for what, url in page_resources(page)
+              if REMOTE.match(url)]
+    assert not remote, "pages load resources from the web:\n" + "\n".join(remote)
+
+
+def test_local_resources_exist(html):
+    """Every script, stylesheet and image a page names is in the build (e.g. the vendored MathJax
+    whose version is in both the Makefile and _config.yml)."""
+    broken = []
+    for page in built_pages(html):
+        for what, url in page_resources(page):
+            parts = urlsplit(url)
+            if parts.scheme or REMOTE.match(url) or what == "data-jupyter-widgets-cdn" or not parts.path:
+                continue
+            if not (page.parent / parts.path).resolve().is_file():
+                broken.append(f"{page.relative_to(html)}: <{what}> {url}")
+    assert not broken, "missing files:\n" + "\n".join(broken)
+
+
+def test_vendored_scripts_only_where_needed(html, static_files):
+    """MathJax and the widget scripts are loaded per page (by Sphinx and myst-nb), never on all."""
+    intro = html / f"{toc_docnames()[0]}.html"
+    scripts = [url for what, url in page_resources(intro) if what == "script"]
+    assert not [s for s in scripts if "require.js" in s or "embed-amd.js" in s], scripts
+    assert sum("tex-svg-full.js" in s for s in scripts) == 1, scripts  # the intro has math
+
+
+# ---------------------------------------------------------------------------------------------
+# A real browser, offline
+
+
+@pytest.fixture(scope="module")
+def browser():
+    reason = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as err:  # pragma: no cover - playwright is in the test extra
+        reason = f"playwright is not installed ({err})"
+    if reason is None and not CHROMIUM.exists():
+        reason = f"{CHROMIUM} not found (apt-get install chromium)"
+    if reason:
+        if IN_CI:
+            pytest.fail(f"browser test cannot run in CI: {reason}")
+        pytest.skip(reason)
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, url: str, problems: list[str]):
+    """A page with every http(s) request aborted and recorded, and console errors recorded."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+
+    def block(route):
+        problems.append(f"request to the web: {route.request.url}")
+        route.abort()
+
+    context.route(re.compile(r"^(https?|wss?)://", re.IGNORECASE), block)
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"failed to load {r.url}: {r.failure}"))
+    page.goto(url, wait_until="load")
+    return page
+
+
+MATHJAX_DONE = """async () => {
+  const mj = window.MathJax;
+  if (!mj || !mj.startup || !mj.startup.promise) return false;
+  await mj.startup.promise;
+  return true;
+}"""
+
+# Text a reader sees outside code: raw TeX left there means MathJax did not run.
+VISIBLE_TEXT = """() => {
+  const body = document.querySelector("main") || document.body;
+  const copy = body.cloneNode(true);
+  copy.querySelectorAll("pre, code, script, style, mjx-container, .highlight").forEach(e => e.remove());
+  return copy.textContent;
+}"""
+
+WIDGETS = """() => ({
+  state: document.querySelectorAll('script[type="application/vnd.jupyter.widget-state+json"]').length,
+  views: document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]').length,
+  rendered: document.querySelectorAll(".widget-subarea .jupyter-widgets, .widget-subarea .lm-Widget").length,
+})"""
+
+OUTPUT_IMAGES = """() => [...document.querySelectorAll(".cell_output img, .output img")]
+  .map(img => ({src: img.getAttribute("src").slice(0, 80), width: img.naturalWidth}))"""
+
+
+def check_page(page, problems: list[str], name: str) -> dict:
+    """Wait for MathJax and widgets, then report what the page shows."""
+    has_math = page.evaluate("() => document.querySelectorAll('.math').length") > 0
+    if has_math:
+        assert page.evaluate(MATHJAX_DONE), f"{name}: has math but MathJax did not load"
+    text = page.evaluate(VISIBLE_TEXT)
+    raw = [tex for tex in ("$$", "\\(", "\\[", "\\begin{") if tex in text]
+    assert not raw, f"{name}: raw TeX left in the page ({raw}): MathJax did not typeset it"
+    widgets = page.evaluate(WIDGETS)
+    if widgets["views"] and not widgets["state"]:
+        problems.append(f"{name}: {widgets['views']} widget views but no widget state in the notebook "
+                        "(save it with its widget state, e.g. nbconvert --ExecutePreprocessor.store_widget_state=True)")
+    elif widgets["views"]:
+        try:  # the html-manager draws each view into a .widget-subarea after the load event
+            page.wait_for_function("n => document.querySelectorAll('.widget-subarea > *').length >= n",
+                                   arg=widgets["views"], timeout=15_000)
+        except Exception:  # noqa: BLE001 - a Playwright timeout: say what is missing
+            problems.append(f"{name}: widgets not drawn: {page.evaluate(WIDGETS)}")
+    return {
+        "math": page.evaluate("() => document.querySelectorAll('mjx-container').length"),
+        "images": page.evaluate(OUTPUT_IMAGES),
+        "widgets": widgets,
+    }
+
+
+def test_pages_render_offline(html, browser):
+    """Home (index.html redirects), every chapter and lab: math typeset, plots loaded, widgets
+    drawn, no console errors and not one request to the web."""
+    problems: list[str] = []
+    names = toc_docnames()
+
+    page = open_page(browser, (html / "index.html").as_uri(), problems)
+    page.wait_for_url(f"**/{names[0]}.html")
+    home = check_page(page, problems, "home")
+    page.context.close()
+    assert home["math"] > 0, "the home page's math was not typeset (no mjx-container)"
+
+    seen = {}
+    for name in names[1:]:
+        if not (html / f"{name}.html").is_file():
+            continue  # reported by test_every_toc_page_is_built
+        page = open_page(browser, (html / f"{name}.html").as_uri(), problems)
+        seen[name] = check_page(page, problems, name)
+        page.context.close()
+
+    assert not problems, "\n".join(problems)
+    labs = {n: s for n, s in seen.items() if n.startswith("labs/")}
+    chapters = [n for n in seen if n.startswith("chapters/")]
+    assert chapters, f"no chapter page besides the home page in _toc.yml: {names}"
+    assert labs, f"no lab page in _toc.yml: {names}"
+    unloaded = [(n, img) for n, s in labs.items() for img in s["images"] if img["width"] == 0]
+    assert not unloaded, f"images that did not load: {unloaded}"
+    assert any(img["width"] > 0 for s in labs.values() for img in s["images"]), \
+        f"no lab page shows a plot: {labs}"
