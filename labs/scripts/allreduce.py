@@ -6,9 +6,17 @@ distributed labs.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
+
+
+def say(rank: int, text: str) -> None:
+    """Print one `[rankN]` line in a single write: print() writes the text and the newline separately,
+    and two ranks sharing the launcher's pipe can interleave between the two writes."""
+    sys.stdout.write(f"[rank{rank}] {text}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -19,12 +27,11 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     x = torch.arange(4, dtype=torch.float32, device=device) + 10 * rank
-    print(f"[rank{rank}] before all_reduce: {x.tolist()}", flush=True)
+    say(rank, f"before all_reduce: {x.tolist()}")
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
     expected = sum(torch.arange(4, dtype=torch.float32) + 10 * r for r in range(world))
     ok = torch.equal(x.cpu(), expected)
-    print(f"[rank{rank}] after all_reduce:  {x.tolist()} (sum over {world} ranks: {'ok' if ok else 'WRONG'})",
-          flush=True)
+    say(rank, f"after all_reduce:  {x.tolist()} (sum over {world} ranks: {'ok' if ok else 'WRONG'})")
     dist.destroy_process_group()
     if not ok:
         raise SystemExit(1)
