@@ -26,8 +26,10 @@ def markdown_table(rows: Sequence[dict[str, Any]], title: str | None = None) -> 
 
 
 def show_table(rows: Sequence[dict[str, Any]], title: str | None = None) -> None:
-    """Display a results table. In a notebook its text form is a fixed placeholder, so tables of
-    machine-dependent numbers never make nbval fail; checks carry the comparable verdicts."""
+    """Display a results table (Markdown in a notebook and in the book, plain text elsewhere).
+
+    nbval compares text/markdown too: a cell whose table holds timings or other machine-dependent
+    figures starts with `# NBVAL_IGNORE_OUTPUT`, and the checks that follow carry the verdicts."""
     text = markdown_table(rows, title)
     try:
         from IPython import get_ipython

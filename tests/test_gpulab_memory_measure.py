@@ -41,3 +41,12 @@ def test_cuda_peak_is_none_without_cuda():
         assert measure.cuda_peak_bytes() is not None
     else:
         assert measure.cuda_peak_bytes() is None
+
+
+def test_autocast_weight_copies_are_counted():
+    # autocast keeps a 16-bit copy of every linear weight for backward; fp32 has none
+    fp32 = estimate(SHAPE, TrainingSetup(precision="fp32", seq_len=16)).activations
+    amp = estimate(SHAPE, TrainingSetup(precision="bf16-autocast", seq_len=16)).activations
+    pure = estimate(SHAPE, TrainingSetup(precision="bf16-pure", seq_len=16)).activations
+    copies = 2 * (SHAPE.num_layers * SHAPE.layer_linear_params() + SHAPE.vocab_size * SHAPE.hidden_size)
+    assert amp - pure == copies and pure < fp32

@@ -105,7 +105,7 @@ def quantized_bytes_per_param(kind: str, double_quant: bool) -> float:
     return QUANT_BITS[kind] / 8 + constants
 
 
-def activation_bytes(shape: ModelShape, setup: TrainingSetup, act_bytes: int) -> float:
+def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
     """Bytes saved for backward by one training forward of a `transformers` Llama model, per GPU.
 
     Per token, each decoder layer saves (h hidden, i intermediate, kv = kv heads x head dim):
@@ -118,9 +118,13 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup, act_bytes: int) ->
     The head keeps the final norm (3h) and the fp32 log-softmax over the vocabulary; token ids and
     labels are int64. A padded batch (`padding_mask`) hands SDPA an explicit (b, 1, s, s) mask, which
     every layer keeps, and k and v are then repeated to all heads as in eager. With checkpointing a layer keeps only its input (h) and one layer at a time is
-    recomputed during backward. Exact for fp32 (lab 01 checks it); for 16-bit policies RMSNorm and
-    softmax still save some fp32 tensors, so the estimate is a little low.
+    recomputed during backward. Under autocast the 16-bit copies of the linear weights (LM head
+    included) are saved too. Exact for fp32 (lab 01 and the tests check it). For 16-bit policies it is
+    a lower bound: RMSNorm, RoPE and softmax still save some fp32 tensors (under bf16 autocast the
+    tiny model saves about 15% more than predicted).
     """
+    prec = get_precision(setup.precision)
+    act_bytes = prec.act_bytes
     b, s = setup.batch_size, setup.seq_len
     tokens = b * s
     h, i, kv, heads = shape.hidden_size, shape.intermediate_size, shape.kv_dim, shape.num_heads
@@ -136,9 +140,11 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup, act_bytes: int) ->
         per_layer += b * s * s * act_bytes  # each layer keeps its own copy of the mask
     shared = 2 * s * shape.head_dim * act_bytes  # RoPE's cos and sin, kept once for all layers
     head = tokens * (3 * h * act_bytes + 4 + 4 * shape.vocab_size + 2 * 8) + 4  # + the loss
+    layer_copies = shape.layer_linear_params() * prec.weight_copy_bytes
+    head += shape.vocab_size * h * prec.weight_copy_bytes  # the LM head's weight copy
     if setup.checkpointing:
-        return shape.num_layers * tokens * h * act_bytes + per_layer + head + shared
-    return shape.num_layers * per_layer + head + shared
+        return shape.num_layers * tokens * h * act_bytes + per_layer + layer_copies + head + shared
+    return shape.num_layers * (per_layer + layer_copies) + head + shared
 
 
 def kv_cache_bytes(shape: ModelShape, context: int, batch: int, elem_bytes: int) -> int:
@@ -205,7 +211,7 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     if setup.zero_stage and n == 1:
         notes.append("ZeRO with one GPU shards nothing")
 
-    acts = activation_bytes(shape, setup, prec.act_bytes) if shape and setup.seq_len else 0.0
+    acts = activation_bytes(shape, setup) if shape and setup.seq_len else 0.0
     kv = kv_cache_bytes(shape, setup.kv_cache_len, setup.kv_cache_batch, prec.act_bytes) if shape else 0
     if not setup.seq_len:
         notes.append("activations not counted (no sequence length given)")

@@ -12,6 +12,8 @@ class Precision:
     `weight_bytes`/`grad_bytes` are the copies the forward and backward use; `master_bytes` is the
     fp32 copy the optimizer updates (0 when the weights themselves are fp32 or when there is none);
     `state_bytes` is the element size of optimizer moments; `act_bytes` of saved activations.
+    `weight_copy_bytes`: autocast casts each fp32 weight a matmul uses to 16 bits and keeps that
+    copy for backward, so it adds a 16-bit copy of the linear weights to what the forward saves.
     """
 
     name: str
@@ -21,6 +23,7 @@ class Precision:
     state_bytes: int
     act_bytes: int
     description: str
+    weight_copy_bytes: int = 0
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -33,8 +36,8 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp16", 2, 2, 4, 4, 2, "fp16 weights+grads, fp32 master weights and states"),
         # torch.autocast keeps the parameters (and so the gradients) in fp32; only the ops run in
         # 16 bits, so the saving is in activations and speed, not in model states.
-        Precision("bf16-autocast", 4, 4, 0, 4, 2, "fp32 weights+grads, bf16 activations (autocast)"),
-        Precision("fp16-autocast", 4, 4, 0, 4, 2, "fp32 weights+grads, fp16 activations (autocast)"),
+        Precision("bf16-autocast", 4, 4, 0, 4, 2, "fp32 weights+grads, bf16 activations (autocast)", 2),
+        Precision("fp16-autocast", 4, 4, 0, 4, 2, "fp32 weights+grads, fp16 activations (autocast)", 2),
         Precision("bf16-pure", 2, 2, 0, 2, 2, "everything in bf16, no fp32 master copy"),
     ]
 }
