@@ -9,6 +9,7 @@ nothing is downloaded. The loss is computed on the response only (prompt tokens 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, as the model con
 IGNORE_INDEX = -100
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
-TASKS = {
+TASKS: dict[str, Callable[[list[str]], list[str]]] = {
     "reverse": lambda xs: xs[::-1],
     "sort": sorted,
     "copy": lambda xs: xs,

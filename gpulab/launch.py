@@ -26,7 +26,8 @@ def default_backend(nproc: int) -> str:
 
 def group_by_rank(text: str) -> tuple[list[str], list[str]]:
     """Split output into lines tagged `[rankN]` (stably sorted by N) and the launcher's other lines."""
-    tagged, other = [], []
+    tagged: list[tuple[int, str]] = []
+    other: list[tuple[int, str]] = []
     for line in text.splitlines():
         m = RANK_LINE.match(line)
         (tagged if m else other).append((int(m.group(1)) if m else 0, line))

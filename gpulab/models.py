@@ -10,8 +10,9 @@ from gpulab.memory.shapes import ModelShape
 
 
 def llama_config(shape: ModelShape, attn_implementation: str = "sdpa", max_positions: int = 4096) -> LlamaConfig:
-    return LlamaConfig(**shape.to_config_kwargs(), attn_implementation=attn_implementation,
-                       max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(  # type: ignore[call-arg]  # attn_implementation is a PretrainedConfig kwarg
+        **shape.to_config_kwargs(), attn_implementation=attn_implementation,
+        max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def build_model(shape: ModelShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -21,7 +22,8 @@ def build_model(shape: ModelShape, device: torch.device | str = "cpu", dtype: to
     config = llama_config(shape, attn_implementation)
     with torch.device(device):
         model = LlamaForCausalLM(config)
-    return model.to(dtype=dtype).train()
+    model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers wraps `to`; mypy misreads it
+    return model.train()
 
 
 def load_pretrained(name_or_path: str, device: torch.device | str = "cpu",

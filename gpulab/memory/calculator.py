@@ -168,15 +168,18 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     prec: Precision = get_precision(setup.precision)
     opt = get_optimizer(setup.optimizer)
     shape = model if isinstance(model, ModelShape) else None
-    if shape is None:
+    if isinstance(model, ModelShape):
+        num_params = float(model.num_params)
+    else:
         if isinstance(model, bool) or not isinstance(model, (int, float)) or model <= 0:
             raise ValueError(f"model must be a ModelShape or a positive parameter count, got {model!r}")
         if setup.lora_rank or setup.quantization or setup.seq_len or setup.kv_cache_len:
             raise ValueError("LoRA, quantization, activations and the KV cache need a model shape, not a count")
-    num_params = shape.num_params if shape else float(model)
+        num_params = float(model)
     notes: list[str] = []
 
     # Frozen and trainable weights.
+    train_shapes: list[tuple[int, ...]] | None
     if setup.lora_rank:
         assert shape is not None
         trainable, train_shapes = _lora_params(shape, setup.lora_rank, setup.lora_targets)
@@ -197,7 +200,7 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
         trainable, train_shapes = int(num_params), (shape.param_tensor_shapes() if shape else None)
         param_bytes = num_params * prec.weight_bytes
 
-    grad_bytes = trainable * prec.grad_bytes
+    grad_bytes = float(trainable * prec.grad_bytes)
     opt_bytes = trainable * prec.master_bytes + optimizer_state_bytes(opt, prec, train_shapes, trainable)
 
     # ZeRO: stage 1 shards optimizer states, 2 also gradients, 3 also the weights.

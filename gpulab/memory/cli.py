@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import NoReturn
 
 from gpulab.memory.calculator import ALL_LINEARS, TrainingSetup, estimate
 from gpulab.memory.policy import OPTIMIZERS, PRECISIONS
@@ -18,7 +19,7 @@ from gpulab.memory.shapes import KNOWN_SHAPES
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not the usage block
+    def error(self, message: str) -> NoReturn:  # one line, not the usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
