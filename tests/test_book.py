@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from course import toc_docnames
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -30,23 +31,6 @@ REMOTE = re.compile(r"^(https?:)?//", re.IGNORECASE)  # http://, https:// and pr
 
 # ---------------------------------------------------------------------------------------------
 # What the book should contain
-
-
-def toc_docnames() -> list[str]:
-    """Every document named in _toc.yml (root first), without suffix."""
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    names = [toc["root"]]
-
-    def walk(entries):
-        for entry in entries or []:
-            if "file" in entry:
-                names.append(entry["file"])
-            walk(entry.get("sections"))
-            walk(entry.get("chapters"))
-
-    walk(toc.get("parts"))
-    walk(toc.get("chapters"))
-    return [re.sub(r"\.(md|ipynb)$", "", n) for n in names]
 
 
 def vendored_files() -> list[Path]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import yaml
+from course import toc_docnames
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted(p for p in (ROOT / "chapters").glob("[0-9][0-9]-*.md"))
@@ -17,29 +17,13 @@ DOWNLOAD = re.compile(r"hf_hub_download|snapshot_download|load_dataset\(|urlretr
 MACHINE_PATH = re.compile(r"(/home/\w|/Users/\w|/root/|/work/|/tmp/|[A-Z]:\\\\Users)")
 
 
-def toc_files():
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]]
-
-    def walk(entries):
-        for entry in entries or []:
-            if "file" in entry:
-                files.append(entry["file"])
-            walk(entry.get("sections"))
-            walk(entry.get("chapters"))
-
-    for part in toc.get("parts", []):
-        walk(part.get("chapters"))
-    return files
-
-
 def test_toc_lists_only_existing_pages():
-    for f in toc_files():
+    for f in toc_docnames():
         assert (ROOT / f"{f}.md").exists() or (ROOT / f"{f}.ipynb").exists(), f"_toc.yml lists missing {f}"
 
 
 def test_every_chapter_has_its_lab_and_both_are_in_the_toc():
-    listed = set(toc_files())
+    listed = set(toc_docnames())
     assert CHAPTERS and LABS
     lab_numbers = {lab.name[:2]: lab for lab in LABS}
     for chapter in CHAPTERS:
