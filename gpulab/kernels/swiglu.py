@@ -59,7 +59,7 @@ def fuse_swiglu(model: torch.nn.Module, kernels: SwiGLUKernels) -> int:
     count = 0
     for module in model.modules():
         if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            if not isinstance(module.act_fn, torch.nn.SiLU):
+            if "silu" not in type(module.act_fn).__name__.lower():  # nn.SiLU, transformers' SiLUActivation
                 raise ValueError(f"{type(module).__name__} uses {type(module.act_fn).__name__}, not SiLU: "
                                  "the fused kernel computes silu(gate) * up only")
 

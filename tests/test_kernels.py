@@ -1,0 +1,144 @@
+"""The fused SwiGLU kernels: CUDA source compiled without a GPU (NVRTC; nvcc when present), the CPU
+kernel and the Triton kernel (interpreted) against eager, and dropping a kernel into a Llama model."""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpulab.kernels import (check_cuda_sources, fuse_swiglu, load_cpu, nvrtc, source, swiglu_backward_reference,
+                            swiglu_eager, swiglu_fused)
+from gpulab.kernels.build import CUDA_ARCHS, KERNEL_DIR, cuda_kernel_names
+from gpulab.models import build_model
+from gpulab.presets import PRESETS
+from gpulab.profiling import kernels
+
+TORCH_INCLUDE = [str(Path(torch.__file__).parent / "include"),
+                 str(Path(torch.__file__).parent / "include" / "torch" / "csrc" / "api" / "include")]
+needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed (Linux: nvidia-cuda-nvrtc)")
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_launched_instance_for_each_arch():
+    results = check_cuda_sources()
+    assert [r.arch for r in results] == list(CUDA_ARCHS)
+    for r in results:
+        assert r.ok, r.log
+        assert set(r.lowered_names) == set(cuda_kernel_names()) and r.cubin_bytes > 0
+
+
+@needs_nvrtc
+def test_nvrtc_reports_errors_with_line_numbers():
+    broken = source("swiglu_kernels.cuh").replace("expf(-x)", "expf(-x", 1)
+    (result,) = check_cuda_sources(archs=("sm_90",), kernel_source=broken)
+    assert not result.ok and "swiglu_kernels.cuh(" in result.log and "error" in result.log
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_nvcc_compiles_the_host_code_against_torch_headers(tmp_path):
+    # The CPU wheel of torch ships c10/cuda headers but not the one CMake generates for CUDA builds.
+    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in CUDA_ARCHS]
+    cmd = ["nvcc", "-c", "-std=c++20", "-O1", *gencode, f"-I{tmp_path / 'stub'}", *(f"-I{p}" for p in TORCH_INCLUDE),
+           f"-I{KERNEL_DIR}", *nvrtc.TORCH_NVCC_DEFINES, "--expt-relaxed-constexpr",
+           str(KERNEL_DIR / "swiglu_cuda.cu"), "-o", str(tmp_path / "swiglu_cuda.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_cuda_operator_registration_compiles():
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    cmd = [cxx, "-fsyntax-only", "-std=c++20", *(f"-isystem{p}" for p in TORCH_INCLUDE),
+           f"-I{sysconfig.get_paths()['include']}", str(KERNEL_DIR / "swiglu_cuda_ops.cpp")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    return load_cpu()
+
+
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (3, 1000, 17), (4096,)])
+def test_cpu_kernel_matches_eager_forward_and_backward(cpu_kernels, shape):
+    gen = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(shape, generator=gen) * 4 for _ in range(3))
+    torch.testing.assert_close(cpu_kernels.forward(gate, up), swiglu_eager(gate, up))
+    d_gate, d_up = cpu_kernels.backward(grad, gate, up)
+    ref_gate, ref_up = swiglu_backward_reference(grad, gate, up)
+    torch.testing.assert_close(d_gate, ref_gate)
+    torch.testing.assert_close(d_up, ref_up)
+
+
+def test_fused_autograd_matches_eager_on_non_contiguous_inputs(cpu_kernels):
+    base = torch.randn(64, 48)
+    gate, up = base.t().clone().requires_grad_(), torch.randn(48, 64).requires_grad_()
+    g_view, u_view = gate[:, ::2], up[:, ::2]  # strided views: swiglu_fused makes them contiguous
+    grad = torch.randn(48, 32)
+    fused = torch.autograd.grad(swiglu_fused(g_view, u_view, cpu_kernels), (gate, up), grad)
+    eager = torch.autograd.grad(swiglu_eager(g_view, u_view), (gate, up), grad)
+    for f, e in zip(fused, eager):
+        torch.testing.assert_close(f, e)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "strided"])
+def test_cpu_kernel_refuses_bad_inputs(cpu_kernels, bad):
+    x = torch.randn(8, 8)
+    args = {"shape": (x, x[:4]), "dtype": (x.double(), x.double()), "strided": (x.t(), x)}[bad]
+    with pytest.raises(RuntimeError, match="swiglu \\(CPU\\)"):
+        cpu_kernels.forward(*args)
+
+
+def test_fused_ops_count_one_kernel_each_way(cpu_kernels):
+    gate, up = torch.randn(100, requires_grad=True), torch.randn(100, requires_grad=True)
+    assert kernels(lambda: swiglu_eager(gate, up), "cpu") == ["aten::silu", "aten::mul"]
+    assert kernels(lambda: swiglu_fused(gate, up, cpu_kernels), "cpu") == ["gpulab_cpu::swiglu_forward"]
+    out, grad = swiglu_fused(gate, up, cpu_kernels), torch.ones(100)
+    assert kernels(lambda: torch.autograd.grad(out, (gate, up), grad), "cpu") == ["gpulab_cpu::swiglu_backward"]
+
+
+def test_fuse_swiglu_keeps_the_model_output(cpu_kernels):
+    shape = PRESETS["tiny"].shape
+    eager, fused = build_model(shape, seed=3), build_model(shape, seed=3)
+    assert fuse_swiglu(fused, cpu_kernels) == shape.num_layers
+    ids = torch.randint(3, shape.vocab_size, (2, 16))
+    loss_e, loss_f = eager(input_ids=ids, labels=ids).loss, fused(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss_f, loss_e)
+    loss_e.backward()
+    loss_f.backward()
+    for (name, pe), pf in zip(eager.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(pf.grad, pe.grad, msg=name)
+
+
+def test_fuse_swiglu_refuses_models_without_a_silu_mlp(cpu_kernels):
+    with pytest.raises(ValueError, match="no Llama-style MLP"):
+        fuse_swiglu(torch.nn.Linear(4, 4), cpu_kernels)
+    model = build_model(PRESETS["tiny"].shape)
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match="not SiLU"):
+        fuse_swiglu(model, cpu_kernels)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton has Linux wheels only")
+def test_triton_kernel_matches_eager_under_the_interpreter():
+    # TRITON_INTERPRET must be set before triton is imported: a fresh interpreter
+    script = (
+        "import torch\n"
+        "from gpulab.kernels import swiglu_triton as st, swiglu_eager, swiglu_backward_reference\n"
+        "g, u, dy = (torch.randn(3000) for _ in range(3))\n"
+        "torch.testing.assert_close(st.swiglu_forward(g, u), swiglu_eager(g, u))\n"
+        "for a, b in zip(st.swiglu_backward(dy, g, u), swiglu_backward_reference(dy, g, u)):\n"
+        "    torch.testing.assert_close(a, b)\n"
+        "print('ok')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
