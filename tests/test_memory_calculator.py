@@ -1,5 +1,7 @@
 """The calculator against published figures and against itself."""
 
+import math
+
 import pytest
 
 from gpulab.memory import KNOWN_SHAPES, ModelShape, TrainingSetup, estimate
@@ -123,3 +125,30 @@ def test_count_only_rejects_what_needs_shapes():
         estimate(1e9, TrainingSetup(lora_rank=8))
     with pytest.raises(ValueError):
         estimate(-5, TrainingSetup())
+
+
+def test_checkpoint_segments_keep_inputs_and_recompute_one_segment():
+    shape = KNOWN_SHAPES["llama3-8b"]  # 32 layers
+    acts = {k: estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True, checkpoint_every=k)).activations
+            for k in (1, 2, 4, 8, 16, 32)}
+    # acts(k) = ceil(32 / k) * I + k * L + C: I a segment input, L one layer's activations, C the rest
+    i_bytes = 4096 * shape.hidden_size * 2  # one token sequence's hidden states in bf16
+    l_bytes = acts[2] - acts[1] + 16 * i_bytes
+    rest = acts[1] - 32 * i_bytes - l_bytes
+    for k, a in acts.items():
+        assert a == pytest.approx(-(-32 // k) * i_bytes + k * l_bytes + rest, abs=2)
+    # a Llama layer saves ~20x its input, so per-layer segments are the best here (the sqrt(n) rule
+    # assumes a layer saves about as much as its input)
+    assert min(acts, key=acts.get) == 1 and l_bytes > 20 * i_bytes
+    assert estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True)).activations == acts[1]
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        TrainingSetup(checkpointing=True, checkpoint_every=0)
+
+
+def test_lomo_keeps_no_state_and_one_tensor_of_gradients():
+    shape = KNOWN_SHAPES["llama3-8b"]
+    lomo = estimate(shape, TrainingSetup(precision="bf16-pure", optimizer="lomo"))
+    largest = max(math.prod(t) for t in shape.param_tensor_shapes())
+    assert lomo.optimizer == 0 and lomo.gradients == 2 * largest
+    assert lomo.gradients < estimate(shape, TrainingSetup(precision="bf16-pure", optimizer="sgd")).gradients / 10
+    assert estimate(8e9, TrainingSetup(optimizer="lomo")).gradients == 0  # no shapes: nothing to size it by

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=0, help="sequence length for activations (needs --model)")
     p.add_argument("--attention", default="sdpa", help="sdpa or eager")
     p.add_argument("--padded", action="store_true", help="batches padded with an attention mask")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="layers per checkpointed segment (1: every layer; ~sqrt(layers): the sqrt(n) rule)")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (needs --model)")
     p.add_argument("--lora-targets", default=",".join(ALL_LINEARS), help="comma-separated projections")
     p.add_argument("--quant", default=None, help="frozen base weights in nf4, fp4 or int8 (QLoRA)")
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = TrainingSetup(
             precision=args.dtype, optimizer=args.optimizer, zero_stage=args.zero, world_size=args.gpus,
             batch_size=args.batch, seq_len=args.seq, attention=args.attention, padding_mask=args.padded,
-            checkpointing=args.checkpointing,
+            checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
             lora_rank=args.lora_rank, lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
             quantization=args.quant, double_quant=not args.no_double_quant, kv_cache_len=args.kv_context,
             kv_cache_batch=args.kv_batch)

@@ -53,6 +53,7 @@ class Optimizer:
     quantized: bool = False  # moments stored in 8 bits (bitsandbytes)
     factored: bool = False  # second moment factored into row and column statistics (Adafactor)
     step_counter: bool = False  # torch keeps a 4-byte fp32 `step` tensor per parameter tensor
+    fused_update: bool = False  # the update runs inside backward, so gradients are not all kept (LOMO)
 
 
 OPTIMIZERS: dict[str, Optimizer] = {
@@ -64,6 +65,8 @@ OPTIMIZERS: dict[str, Optimizer] = {
         Optimizer("adamw-8bit", 2, "bitsandbytes AdamW8bit: two block-wise 8-bit moments", quantized=True),
         Optimizer("lion", 1, "Lion: momentum only"),
         Optimizer("adafactor", 0, "Adafactor: factored second moment, no momentum", factored=True, step_counter=True),
+        Optimizer("lomo", 0, "LOMO: SGD applied in backward as each gradient is ready; no state, no kept gradients",
+                  fused_update=True),
     ]
 }
 
