@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from gpulab.checkpointing import (CheckpointedSegment, checkpoint_in_segments, decoder_layers, max_grad_difference,
+                                  record_layers, run_forward_backward)
+from gpulab.memory import TrainingSetup, estimate, measure
+from gpulab.memory.shapes import ModelShape
+from gpulab.models import build_model
+
+SHAPE = ModelShape(128, 64, 160, 4, 4, 2)  # vocab, hidden, intermediate, layers, heads, kv heads
+BATCH, SEQ = 2, 16
+
+
+@pytest.fixture(scope="module")
+def ids():
+    torch.manual_seed(0)
+    return torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ))
+
+
+def forward_backward(model, ids):
+    saved, loss = measure.saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+    loss.backward()
+    return saved, loss.item()
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 4])
+def test_segments_match_and_equal_the_calculator(ids, every):
+    reference = build_model(SHAPE)
+    with record_layers(list(decoder_layers(reference))[:every], exclude=list(reference.parameters())) as segment:
+        _, ref_loss = forward_backward(reference, ids)
+    model = build_model(SHAPE)
+    n_segments = checkpoint_in_segments(model, every)
+    assert n_segments == -(-SHAPE.num_layers // every)
+    assert all(isinstance(s, CheckpointedSegment) for s in decoder_layers(model))
+    saved, loss = forward_backward(model, ids)
+    assert loss == ref_loss and max_grad_difference(reference, model) == 0.0
+    predicted = estimate(SHAPE, TrainingSetup(precision="fp32", batch_size=BATCH, seq_len=SEQ, checkpointing=True,
+                                              checkpoint_every=every)).activations
+    assert saved + segment.bytes == predicted  # forward saves + one segment's recomputation = the peak
+
+
+def test_eval_and_no_grad_run_without_checkpointing(ids):
+    model = build_model(SHAPE)
+    checkpoint_in_segments(model, 2)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    reference = build_model(SHAPE)
+    with torch.no_grad():
+        assert torch.equal(logits, reference(input_ids=ids).logits)
+
+
+def test_bad_arguments():
+    model = build_model(SHAPE)
+    with pytest.raises(ValueError):
+        checkpoint_in_segments(model, 0)
+    checkpoint_in_segments(model, 2)
+    with pytest.raises(ValueError, match="already"):
+        checkpoint_in_segments(model, 2)
+    with pytest.raises(TypeError):
+        decoder_layers(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="gradient"):
+        max_grad_difference(model, build_model(SHAPE))
+
+
+def test_timing_closure_clears_gradients(ids):
+    model = build_model(SHAPE)
+    loss = run_forward_backward(model, {"input_ids": ids, "labels": ids})()
+    assert loss > 0 and all(p.grad is None for p in model.parameters())
