@@ -50,3 +50,13 @@ def test_autocast_weight_copies_are_counted():
     pure = estimate(SHAPE, TrainingSetup(precision="bf16-pure", seq_len=16)).activations
     copies = 2 * (SHAPE.num_layers * SHAPE.layer_linear_params() + SHAPE.vocab_size * SHAPE.hidden_size)
     assert amp - pure == copies and pure < fp32
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_one_sequence_matches_calculator(attention):
+    # with one sequence the loss's shifted labels keep their padded s + 1 storage (8 bytes more)
+    model = build_model(SHAPE, attn_implementation=attention)
+    ids = torch.randint(4, SHAPE.vocab_size, (1, 16))
+    act_bytes, _ = measure.saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    setup = TrainingSetup(precision="fp32", batch_size=1, seq_len=16, attention=attention)
+    assert act_bytes == estimate(SHAPE, setup).activations

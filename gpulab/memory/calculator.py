@@ -117,7 +117,7 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
       heads x seq per token, which is the term that grows with the square of the sequence;
     - the SwiGLU MLP: gate, SiLU(gate), up and their product (4i).
     The head keeps the final norm (3h) and the fp32 log-softmax over the vocabulary; token ids and
-    labels are int64. A padded batch (`padding_mask`) hands SDPA an explicit (b, 1, s, s) mask, which
+    labels are int64 (for one sequence the shifted labels keep their padded s + 1 storage). A padded batch (`padding_mask`) hands SDPA an explicit (b, 1, s, s) mask, which
     every layer keeps, and k and v are then repeated to all heads as in eager. With checkpointing the
     layers run in segments of `checkpoint_every`: each segment keeps only its input (h per token), and
     backward recomputes one segment at a time, holding that segment's activations; the total
@@ -143,6 +143,8 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
         per_layer += b * s * s * act_bytes  # each layer keeps its own copy of the mask
     shared = 2 * s * shape.head_dim * act_bytes  # RoPE's cos and sin, kept once for all layers
     head = tokens * (3 * h * act_bytes + 4 + 4 * shape.vocab_size + 2 * 8) + 4  # + the loss
+    if b == 1:
+        head += 8  # the loss pads labels to s + 1 and shifts them: one row needs no copy, keeps s + 1
     layer_copies = shape.layer_linear_params() * prec.weight_copy_bytes
     head += shape.vocab_size * h * prec.weight_copy_bytes  # the LM head's weight copy
     if setup.checkpointing:
