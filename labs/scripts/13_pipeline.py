@@ -1,0 +1,277 @@
+"""Pipeline parallelism on K = 2 stages: GPipe and 1F1B written by hand with send/recv, then
+`torch.distributed.pipelining` (ScheduleGPipe, Schedule1F1B); gradients against one process; a timeline
+of every stage's forward and backward; saved-activation bytes held per stage.
+
+One node:   torchrun --nproc-per-node=2 labs/scripts/13_pipeline.py --out pipeline.json
+Two nodes (one stage per node; run on each, node-rank 0 and 1):
+            torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0 --rdzv-backend=c10d \
+                     --rdzv-endpoint=host:29500 labs/scripts/13_pipeline.py --out pipeline.json
+
+The model is a plain stack of Linear + GELU blocks (the pipelining API wants plain modules), split in
+equal halves so both stages do the same work. Rank r runs stage r. Every rank builds the whole model
+from the same seed, computes the single-process reference gradients on the full batch itself and
+compares its own stage's gradients with them. Rank 0 writes all results to --out as JSON; the
+`[rankN]` lines are deterministic (verdicts), timings go only to the JSON file.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def say(rank: int, text: str) -> None:
+    """One `[rankN]` line in a single write, so two ranks sharing a pipe never interleave mid-line."""
+    sys.stdout.write(f"[rank{rank}] {text}\n")
+    sys.stdout.flush()
+
+
+def build_model(width: int, depth: int, seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+class Recorder:
+    """Events (stage, micro-batch, 'F'/'B', start_s, end_s) relative to a barrier-synchronized start,
+    and the saved-activation bytes each in-flight micro-batch holds on this stage."""
+
+    def __init__(self, stage: int, params: list[torch.Tensor], sync, device: torch.device) -> None:
+        self.stage, self.sync, self.device, self.events = stage, sync, device, []
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.held_bytes: dict[int, int] = {}
+        self.peak_bytes = 0
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        """Clear, then agree on t0: rank 0's clock just after a barrier, broadcast. Ranks leave a barrier
+        at slightly different times, so each rank's own clock would shift its events; time.time() is the
+        same clock for every process of a node (and NTP-close across nodes)."""
+        self.events, self.held_bytes, self.peak_bytes = [], {}, 0
+        self.sync()
+        dist.barrier()
+        t0 = torch.tensor([time.time()], dtype=torch.float64, device=self.device)
+        dist.broadcast(t0, src=0)
+        self.t0 = t0.item()
+
+    def forward(self, mb: int, fn):
+        seen: set[int] = set()
+        self.held_bytes[mb] = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage().data_ptr()
+            if key not in self.param_ptrs and key not in seen:  # weights are not activations
+                seen.add(key)
+                self.held_bytes[mb] += t.untyped_storage().nbytes()
+            return t
+
+        start = time.time()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        self.sync()
+        self.events.append((self.stage, mb, "F", start - self.t0, time.time() - self.t0))
+        self.peak_bytes = max(self.peak_bytes, sum(self.held_bytes.values()))
+        return out
+
+    def backward(self, mb: int, fn) -> None:
+        start = time.time()
+        fn()
+        self.sync()
+        self.events.append((self.stage, mb, "B", start - self.t0, time.time() - self.t0))
+        del self.held_bytes[mb]  # backward freed this micro-batch's graph
+
+
+def run_schedule(kind: str, stage: nn.Module, rank: int, world: int, x: torch.Tensor, y: torch.Tensor,
+                 m: int, rec: Recorder, device: torch.device) -> None:
+    """One training step's forward and backward on this stage, by hand. `kind` is 'gpipe' (all
+    forwards, then all backwards) or '1f1b' (after K - rank - 1 warm-up forwards, alternate one forward
+    and one backward, so at most K - rank micro-batches are in flight). Sends are non-blocking (isend),
+    receives block: a stage waits only for what it needs next."""
+    first, last = rank == 0, rank == world - 1
+    xs, ys = x.chunk(m), y.chunk(m)
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pending = []
+    shape = (xs[0].shape[0], x.shape[1])
+
+    def fwd(i: int) -> None:
+        if first:
+            inp = xs[i]
+        else:
+            inp = torch.empty(shape, device=device)
+            dist.recv(inp, src=rank - 1)
+            inp.requires_grad_(True)
+        inputs[i] = inp
+
+        def compute():
+            out = stage(inp)
+            # each micro-batch's loss is 1/M of the full batch's mean: gradients add up to the full batch's
+            return loss_fn(out, ys[i]) / m if last else out
+
+        outputs[i] = rec.forward(i, compute)
+        if not last:
+            pending.append(dist.isend(outputs[i].detach(), dst=rank + 1))
+
+    def bwd(i: int) -> None:
+        grad = None
+        if not last:  # wait for the gradient outside the timed region: waiting is the bubble, not work
+            grad = torch.empty_like(outputs[i])
+            dist.recv(grad, src=rank + 1)
+        rec.backward(i, lambda: outputs[i].backward(grad))
+        if not first:
+            pending.append(dist.isend(inputs[i].grad, dst=rank - 1))
+        del inputs[i], outputs[i]
+
+    if kind == "gpipe":
+        for i in range(m):
+            fwd(i)
+        for i in range(m):
+            bwd(i)
+    else:
+        warmup = min(world - rank - 1, m)
+        for i in range(warmup):
+            fwd(i)
+        for i in range(m - warmup):
+            fwd(i + warmup)
+            bwd(i)
+        for i in range(m - warmup, m):
+            bwd(i)
+    for work in pending:
+        work.wait()
+
+
+def grads_of(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def rel_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    return max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="JSON results, written by rank 0")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=8, help="blocks in the whole model, split evenly")
+    ap.add_argument("--batch", type=int, default=128, help="rows per step, split into M micro-batches")
+    ap.add_argument("--check-m", type=int, default=4, help="micro-batches for the gradient checks")
+    ap.add_argument("--sweep-m", default="1,2,4,8", help="micro-batch counts for the timings")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+
+    # One thread per rank: two ranks share the cores, and spinning OpenMP threads would swamp the timings.
+    torch.set_num_threads(args.threads)
+    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    if args.depth % world:
+        raise SystemExit(f"depth {args.depth} does not split into {world} equal stages")
+
+    full = build_model(args.width, args.depth, seed=0).to(device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=gen).to(device)
+    y = torch.randn(args.batch, args.width, generator=gen).to(device)
+    per_stage = args.depth // world
+    lo, hi = rank * per_stage, (rank + 1) * per_stage
+    stage = full[lo:hi]  # a view of the same modules: the reference below fills the same parameters
+
+    # The single-process reference: the whole model on the whole batch.
+    loss_fn(full(x), y).backward()
+    ref = grads_of(stage)
+    full.zero_grad(set_to_none=True)
+    say(rank, f"stage {rank} of {world}: blocks {lo}-{hi - 1}, {sum(p.numel() for p in stage.parameters()):,} "
+              f"parameters, backend {backend}")
+
+    rec = Recorder(rank, list(stage.parameters()), sync, device)
+    results: dict = {"backend": backend, "world": world, "width": args.width, "depth": args.depth,
+                     "batch": args.batch, "check_m": args.check_m, "grad_error": {}, "peak_saved_bytes": {},
+                     "step_s": {}, "events": {}, "cuda_peak_bytes": {}}
+
+    def gather(obj):
+        everyone = [None] * world
+        dist.all_gather_object(everyone, obj)
+        return everyone
+
+    # 1. By hand: gradients, and the activations each stage holds.
+    m = args.check_m
+    for kind in ("gpipe", "1f1b"):
+        stage.zero_grad(set_to_none=True)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        rec.start()
+        run_schedule(kind, stage, rank, world, x, y, m, rec, device)
+        err = rel_error(grads_of(stage), ref)
+        say(rank, f"hand-written {kind}, M={m}: gradients match one process within 1e-5: {err < 1e-5}")
+        results["grad_error"][kind] = gather(err)
+        results["peak_saved_bytes"][kind] = gather(rec.peak_bytes)
+        if on_gpu:
+            results["cuda_peak_bytes"][kind] = gather(torch.cuda.max_memory_allocated(device))
+    # One micro-batch alone: the bytes a single in-flight micro-batch holds on each stage.
+    rec.start()
+    run_schedule("gpipe", stage, rank, world, x[: args.batch // m], y[: args.batch // m], 1, rec, device)
+    results["saved_bytes_per_microbatch"] = gather(rec.peak_bytes)
+    stage.zero_grad(set_to_none=True)
+
+    # 2. The library: torch.distributed.pipelining with a manual PipelineStage per rank.
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    for name, cls in (("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)):
+        stage.zero_grad(set_to_none=True)
+        pstage = PipelineStage(stage, rank, world, device)
+        # loss_fn is the mean over a micro-batch; scale_grads (default True) divides the summed
+        # gradients by M, which gives the full batch's mean again.
+        schedule = cls(pstage, n_microbatches=m, loss_fn=loss_fn)
+        losses: list = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        err = rel_error(grads_of(stage), ref)
+        say(rank, f"torch.distributed.pipelining {name}, M={m}: gradients match one process within 1e-5: "
+                  f"{err < 1e-5}")
+        results["grad_error"][name] = gather(err)
+    stage.zero_grad(set_to_none=True)
+
+    # 3. Step time against M, and the timeline of every step (timings: JSON only).
+    for kind in ("gpipe", "1f1b"):
+        for mm in [int(v) for v in args.sweep_m.split(",")]:
+            times, events = [], []
+            for rep in range(args.repeats + 1):  # the first is a warm-up
+                rec.start()
+                run_schedule(kind, stage, rank, world, x, y, mm, rec, device)
+                sync()
+                dist.barrier()
+                if rep:
+                    times.append(time.time() - rec.t0)
+                    events = rec.events
+            stage.zero_grad(set_to_none=True)
+            results["step_s"][f"{kind}/{mm}"] = gather(statistics.median(times))
+            results["events"][f"{kind}/{mm}"] = [e for evs in gather(events) for e in evs]
+    say(rank, f"timed GPipe and 1F1B for M in {args.sweep_m} ({args.repeats} steps each)")
+
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
