@@ -1,0 +1,246 @@
+"""ZeRO stages 0-3 on real processes: per-rank bytes, losses against one process, bytes communicated.
+
+Each run trains the course's tiny Llama for a few AdamW steps (fp32) on the same global batches:
+
+- `ddp`       DistributedDataParallel: everything replicated (ZeRO stage 0);
+- `zero1`     DDP + ZeroRedundancyOptimizer: optimizer state sharded (stage 1);
+- `zero2`     FSDP2 `fully_shard` per decoder layer + root, reshard_after_forward=False: the gathered
+              parameters stay until backward, so only gradients and optimizer state are split during
+              compute and one all-gather per step is spent (stage 2's traffic);
+- `zero3`     the same with reshard_after_forward=True: parameters re-gathered in backward (stage 3);
+- `zero3_bf16` zero3 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32);
+- `zero3_offload` zero3 with CPUOffloadPolicy(pin_memory=False).
+
+Rank 0 also trains one process on the whole batch as the reference (the mean of the two half-batch
+losses, which is what data parallelism averages). Bytes are counted from the tensors each rank holds
+(a DTensor's local shard; storages counted once); communication from the tensors handed to
+all-gather / reduce-scatter (FSDP2) and to the all-reduce of DDP's comm hook.
+
+Run by hand (gloo on CPU processes, NCCL with a GPU per process):
+
+    torchrun --nproc-per-node=2 labs/scripts/12_zero_fsdp.py --steps 3 --out /tmp/zero.json
+
+On two nodes (run on each, node-rank 0 and 1):
+
+    torchrun --nnodes=2 --nproc-per-node=8 --node-rank=0 --rdzv-backend=c10d \
+        --rdzv-endpoint=host:29500 labs/scripts/12_zero_fsdp.py --out /tmp/zero.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpulab.data import load_task
+from gpulab.models import build_model
+from gpulab.presets import PRESETS
+
+RUNS = ("ddp", "zero1", "zero2", "zero3", "zero3_bf16", "zero3_offload")
+
+
+def say(rank: int, text: str) -> None:
+    """One `[rankN]` line in a single write, so two ranks sharing a pipe never interleave mid-line."""
+    sys.stdout.write(f"[rank{rank}] {text}\n")
+    sys.stdout.flush()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind the local parts of `tensors` (padding included)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = local(t)
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(moment bytes, step-counter bytes) of an optimizer's state on this rank."""
+    moments = steps = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                n = local(value).numel() * local(value).element_size()
+                steps += n if key == "step" else 0
+                moments += 0 if key == "step" else n
+    return moments, steps
+
+
+class Traffic:
+    """Bytes handed to each kind of collective on this rank (the full, gathered size)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._saved = (dist.all_gather_single, dist.reduce_scatter_single)
+
+    def __enter__(self) -> Traffic:
+        gather, scatter = self._saved
+
+        def all_gather_single(output, input, *args, **kwargs):
+            self.add("all_gather", output)
+            return gather(output, input, *args, **kwargs)
+
+        def reduce_scatter_single(output, input, *args, **kwargs):
+            self.add("reduce_scatter", input)
+            return scatter(output, input, *args, **kwargs)
+
+        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_gather_single, dist.reduce_scatter_single = self._saved
+
+    def add(self, kind: str, t: torch.Tensor) -> None:
+        self.bytes[kind] += t.numel() * t.element_size()
+        self.calls[kind] += 1
+
+    def ddp_hook(self, state, bucket):
+        """DDP comm hook: count the bucket, then average it with an all-reduce as DDP would."""
+        buf = bucket.buffer()
+        self.add("all_reduce", buf)
+        fut = dist.all_reduce(buf.div_(dist.get_world_size()), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+
+def halves(batch: dict[str, torch.Tensor], world: int) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.chunk(world)[r] for k, v in batch.items()} for r in range(world)]
+
+
+def reference(batches, steps: int, lr: float, world: int, device: torch.device) -> list[float]:
+    """One process: the mean of the per-rank losses over the same global batches."""
+    model = build_model(PRESETS["tiny"].shape, device=device, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches[:steps]:
+        parts = halves(batch, world)
+        loss = sum(model(**{k: v.to(device) for k, v in p.items()}).loss for p in parts) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def wrap(kind: str, model: torch.nn.Module, device: torch.device, traffic: Traffic):
+    if kind in ("ddp", "zero1"):
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp.register_comm_hook(None, traffic.ddp_hook)
+        return ddp
+    kwargs: dict = {"reshard_after_forward": kind != "zero2"}
+    if kind == "zero3_bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if kind == "zero3_offload":
+        # pin_memory=True (the default) needs an accelerator; with one, pinned memory copies faster
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def run(kind: str, batches, steps: int, lr: float, device: torch.device) -> dict:
+    """Train `steps` steps as `kind` says; this rank's bytes, traffic per step and the mean losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(PRESETS["tiny"].shape, device=device, seed=0)  # same seed: same weights everywhere
+    traffic = Traffic()
+    model = wrap(kind, model, device, traffic)
+    params = list(model.parameters())
+    if kind == "zero1":
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr)
+    seen_dtypes: set[str] = set()
+    q_proj = (model.module if isinstance(model, DDP) else model).model.layers[0].self_attn.q_proj
+    hook = q_proj.register_forward_pre_hook(lambda m, args: seen_dtypes.add(str(m.weight.dtype)))
+    losses, grad_bytes = [], 0
+    with traffic:
+        for i, batch in enumerate(batches[:steps]):
+            mine = {k: v.to(device) for k, v in halves(batch, world)[rank].items()}
+            loss = model(**mine).loss
+            loss.backward()
+            if i == 0:
+                grad_bytes = held_bytes(p.grad for p in params if p.grad is not None)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)  # outside the counted collectives: only the training's traffic counts
+            losses.append(mean.item() / world)
+    hook.remove()
+    moments, step_bytes = state_bytes(opt.optim if kind == "zero1" else opt)
+    return {
+        "losses": losses,
+        "param_bytes": held_bytes(params),
+        "grad_bytes": grad_bytes,
+        "moment_bytes": moments,
+        "step_bytes": step_bytes,
+        "traffic_bytes_per_step": {k: v // steps for k, v in traffic.bytes.items()},
+        "calls_per_step": {k: v // steps for k, v in traffic.calls.items()},
+        "forward_param_dtypes": sorted(seen_dtypes),
+        "stored_param_dtypes": sorted({str(p.dtype) for p in params}),
+        "param_devices": sorted({local(p).device.type for p in params}),
+    }
+
+
+T0 = time.perf_counter()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bf16-steps", type=int, default=1, help="steps of the bf16 run on a CPU")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch, split over the ranks")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--out", default=None, help="write every rank's results here as JSON (rank 0 writes)")
+    args = parser.parse_args()
+
+    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)  # two processes share the cores: spinning OpenMP threads only slow them
+
+    task = load_task(seq_len=PRESETS["tiny"].seq_len)
+    stream = task.batches(args.batch_size, seed=0)
+    batches = [next(stream) for _ in range(args.steps)]
+    results: dict = {"world_size": world, "backend": backend, "steps": args.steps}
+    results["setup_seconds"] = time.perf_counter() - T0
+    if rank == 0:
+        results["reference"] = reference(batches, args.steps, args.lr, world, device)
+    for kind in args.runs.split(","):
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        # bf16 matmuls are slow on CPUs without bf16 units: one step shows the dtypes and the traffic
+        steps = args.bf16_steps if kind == "zero3_bf16" and device.type == "cpu" else args.steps
+        r = run(kind, batches, steps, args.lr, device)
+        r["seconds"] = time.perf_counter() - start
+        per_rank: list = [None] * world
+        dist.all_gather_object(per_rank, r)
+        results[kind] = per_rank
+        say(rank, f"{kind:<14} params {r['param_bytes']:>10,} B  grads {r['grad_bytes']:>10,} B  "
+                  f"optimizer {r['moment_bytes'] + r['step_bytes']:>10,} B")
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
