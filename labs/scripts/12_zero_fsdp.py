@@ -18,12 +18,12 @@ all-gather / reduce-scatter (FSDP2) and to the all-reduce of DDP's comm hook.
 
 Run by hand (gloo on CPU processes, NCCL with a GPU per process):
 
-    torchrun --nproc-per-node=2 labs/scripts/12_zero_fsdp.py --steps 3 --out /tmp/zero.json
+    torchrun --nproc-per-node=2 labs/scripts/12_zero_fsdp.py --steps 3 --out zero.json
 
 On two nodes (run on each, node-rank 0 and 1):
 
     torchrun --nnodes=2 --nproc-per-node=8 --node-rank=0 --rdzv-backend=c10d \
-        --rdzv-endpoint=host:29500 labs/scripts/12_zero_fsdp.py --out /tmp/zero.json
+        --rdzv-endpoint=host:29500 labs/scripts/12_zero_fsdp.py --out zero.json
 """
 
 from __future__ import annotations
