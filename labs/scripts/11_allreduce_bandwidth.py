@@ -11,12 +11,12 @@ busiest link achieved, comparable across rank counts and with the link's peak. E
 
 Run it by hand on one machine (gloo over CPU processes, or NCCL with a GPU per process):
 
-    torchrun --nproc-per-node=2 labs/scripts/11_allreduce_bandwidth.py --out /tmp/bw.json
+    torchrun --nproc-per-node=2 labs/scripts/11_allreduce_bandwidth.py --out bw.json
 
 on two machines (run on each, node-rank 0 and 1; host is node 0's address):
 
     torchrun --nnodes=2 --nproc-per-node=8 --node-rank=0 --rdzv-backend=c10d \
-        --rdzv-endpoint=host:29500 labs/scripts/11_allreduce_bandwidth.py --out /tmp/bw.json
+        --rdzv-endpoint=host:29500 labs/scripts/11_allreduce_bandwidth.py --out bw.json
 """
 
 import argparse
