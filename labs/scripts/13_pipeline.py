@@ -90,62 +90,81 @@ class Recorder:
         del self.held_bytes[mb]  # backward freed this micro-batch's graph
 
 
+def schedule_order(kind: str, rank: int, world: int, m: int) -> list[tuple[str, int]]:
+    """This stage's operations in order, ('F', i) or ('B', i) for micro-batch i. GPipe: every forward,
+    then every backward. 1F1B: K - rank - 1 warm-up forwards, then one forward and one backward in
+    turn, then the remaining backwards, so at most K - rank micro-batches are in flight."""
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(world - rank - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", i + warmup), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+
+
 def run_schedule(kind: str, stage: nn.Module, rank: int, world: int, x: torch.Tensor, y: torch.Tensor,
                  m: int, rec: Recorder, device: torch.device) -> None:
-    """One training step's forward and backward on this stage, by hand. `kind` is 'gpipe' (all
-    forwards, then all backwards) or '1f1b' (after K - rank - 1 warm-up forwards, alternate one forward
-    and one backward, so at most K - rank micro-batches are in flight). Sends are non-blocking (isend),
-    receives block: a stage waits only for what it needs next."""
+    """One training step's forward and backward passes on this stage, by hand, in `kind`'s order.
+
+    Communication happens between operations. What the last operation produced (an activation for the
+    next stage, or an input gradient for the previous one) is sent together with what the next
+    operation must receive, in one `batch_isend_irecv`: in 1F1B a stage sends an activation forward
+    while its neighbour sends a gradient back, and two blocking sends facing each other would deadlock
+    (on NCCL, with messages larger than its buffers). A batch with nothing to receive is not waited for;
+    its sends are waited for at the end of the step."""
     first, last = rank == 0, rank == world - 1
     xs, ys = x.chunk(m), y.chunk(m)
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
-    pending = []
-    shape = (xs[0].shape[0], x.shape[1])
+    in_flight: list = []  # send handles not yet waited for
+    outgoing: list = []  # what the last operation produced, to send before the next one
 
-    def fwd(i: int) -> None:
-        if first:
-            inp = xs[i]
+    def communicate(recv: dist.P2POp | None) -> None:
+        ops = outgoing + ([recv] if recv else [])
+        outgoing.clear()
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        if recv is None:
+            in_flight.extend(works)
+            return
+        for work in works:  # waiting for data is idle time: outside the timed operations
+            work.wait()
+        rec.sync()
+
+    for op, i in schedule_order(kind, rank, world, m):
+        if op == "F":
+            if first:
+                communicate(None)
+                inp = xs[i]
+            else:
+                inp = torch.empty(xs[i].shape[0], x.shape[1], device=device)
+                communicate(dist.P2POp(dist.irecv, inp, rank - 1))
+                inp.requires_grad_(True)
+            inputs[i] = inp
+
+            def compute(inp=inp, i=i):
+                out = stage(inp)
+                # each micro-batch's loss is 1/M of the full batch's mean: gradients add up to the batch's
+                return loss_fn(out, ys[i]) / m if last else out
+
+            outputs[i] = rec.forward(i, compute)
+            if not last:
+                outgoing.append(dist.P2POp(dist.isend, outputs[i].detach(), rank + 1))
         else:
-            inp = torch.empty(shape, device=device)
-            dist.recv(inp, src=rank - 1)
-            inp.requires_grad_(True)
-        inputs[i] = inp
-
-        def compute():
-            out = stage(inp)
-            # each micro-batch's loss is 1/M of the full batch's mean: gradients add up to the full batch's
-            return loss_fn(out, ys[i]) / m if last else out
-
-        outputs[i] = rec.forward(i, compute)
-        if not last:
-            pending.append(dist.isend(outputs[i].detach(), dst=rank + 1))
-
-    def bwd(i: int) -> None:
-        grad = None
-        if not last:  # wait for the gradient outside the timed region: waiting is the bubble, not work
-            grad = torch.empty_like(outputs[i])
-            dist.recv(grad, src=rank + 1)
-        rec.backward(i, lambda: outputs[i].backward(grad))
-        if not first:
-            pending.append(dist.isend(inputs[i].grad, dst=rank - 1))
-        del inputs[i], outputs[i]
-
-    if kind == "gpipe":
-        for i in range(m):
-            fwd(i)
-        for i in range(m):
-            bwd(i)
-    else:
-        warmup = min(world - rank - 1, m)
-        for i in range(warmup):
-            fwd(i)
-        for i in range(m - warmup):
-            fwd(i + warmup)
-            bwd(i)
-        for i in range(m - warmup, m):
-            bwd(i)
-    for work in pending:
+            grad = None
+            if last:
+                communicate(None)
+            else:
+                grad = torch.empty_like(outputs[i])
+                communicate(dist.P2POp(dist.irecv, grad, rank + 1))
+            rec.backward(i, lambda: outputs[i].backward(grad))
+            if not first:
+                outgoing.append(dist.P2POp(dist.isend, inputs[i].grad, rank - 1))
+            del inputs[i], outputs[i]
+    communicate(None)
+    for work in in_flight:
         work.wait()
 
 
