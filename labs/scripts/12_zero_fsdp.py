@@ -14,7 +14,8 @@ Each run trains the course's tiny Llama for a few AdamW steps (fp32) on the same
 Rank 0 also trains one process on the whole batch as the reference (the mean of the two half-batch
 losses, which is what data parallelism averages). Bytes are counted from the tensors each rank holds
 (a DTensor's local shard; storages counted once); communication from the tensors handed to
-all-gather / reduce-scatter (FSDP2) and to the all-reduce of DDP's comm hook.
+all-gather / reduce-scatter (FSDP2), to broadcast (ZeroRedundancyOptimizer's parameter updates) and
+to the all-reduce of DDP's comm hook.
 
 Run by hand (gloo on CPU processes, NCCL with a GPU per process):
 
@@ -86,10 +87,10 @@ class Traffic:
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
-        self._saved = (dist.all_gather_single, dist.reduce_scatter_single)
+        self._saved = (dist.all_gather_single, dist.reduce_scatter_single, dist.broadcast)
 
     def __enter__(self) -> Traffic:
-        gather, scatter = self._saved
+        gather, scatter, broadcast = self._saved
 
         def all_gather_single(output, input, *args, **kwargs):
             self.add("all_gather", output)
@@ -99,11 +100,16 @@ class Traffic:
             self.add("reduce_scatter", input)
             return scatter(output, input, *args, **kwargs)
 
+        def broadcast_(tensor, *args, **kwargs):  # ZeroRedundancyOptimizer sends updated parameters this way
+            self.add("broadcast", tensor)
+            return broadcast(tensor, *args, **kwargs)
+
         dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+        dist.broadcast = broadcast_
         return self
 
     def __exit__(self, *exc) -> None:
-        dist.all_gather_single, dist.reduce_scatter_single = self._saved
+        dist.all_gather_single, dist.reduce_scatter_single, dist.broadcast = self._saved
 
     def add(self, kind: str, t: torch.Tensor) -> None:
         self.bytes[kind] += t.numel() * t.element_size()
