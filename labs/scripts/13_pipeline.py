@@ -42,8 +42,8 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class Recorder:
-    """Events (stage, micro-batch, 'F'/'B', start_s, end_s) relative to a barrier-synchronized start,
-    and the saved-activation bytes each in-flight micro-batch holds on this stage."""
+    """Events (stage, micro-batch, 'F'/'B', start_s, end_s) in seconds from rank 0's clock at the step's
+    start, and the saved-activation bytes each in-flight micro-batch holds on this stage."""
 
     def __init__(self, stage: int, params: list[torch.Tensor], sync, device: torch.device) -> None:
         self.stage, self.sync, self.device, self.events = stage, sync, device, []
@@ -185,12 +185,14 @@ def main() -> None:
     ap.add_argument("--check-m", type=int, default=4, help="micro-batches for the gradient checks")
     ap.add_argument("--sweep-m", default="1,2,4,8", help="micro-batch counts for the timings")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     args = ap.parse_args()
 
     # One thread per rank: two ranks share the cores, and spinning OpenMP threads would swamp the timings.
     torch.set_num_threads(args.threads)
-    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    # NCCL needs a GPU per process on each node; with fewer, the stages run as gloo processes on the CPU.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.device_count() >= local_world else "gloo")
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
