@@ -59,7 +59,11 @@ def summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    """All parameters' gradients in one vector (every parameter must have one)."""
+    grads = [p.grad for p in model.parameters()]
+    if any(g is None for g in grads):
+        raise RuntimeError("a parameter has no gradient")
+    return torch.cat([g.reshape(-1) for g in grads if g is not None])
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -187,7 +191,7 @@ def main() -> None:
                 loss = summed_token_loss(ddp, mb) * world / n_global  # the same global normalisation
                 loss.backward()  # without sync: gradients add up in .grad, no hook, no all-reduce
         all_reduces[how] = len(recorder.calls)
-        if rank == 0:
+        if reference is not None:  # rank 0
             result[f"accumulated ({how}) vs single"] = rel_error(flat_grad(ddp.module), reference)
     result["all_reduces"] = all_reduces
     result["micro_batches"] = args.micro
