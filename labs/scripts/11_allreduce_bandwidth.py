@@ -21,19 +21,13 @@ on two machines (run on each, node-rank 0 and 1; host is node 0's address):
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-
-def say(rank: int, text: str) -> None:
-    """One `[rankN]` line in a single write, so two ranks sharing a pipe never interleave mid-line."""
-    sys.stdout.write(f"[rank{rank}] {text}\n")
-    sys.stdout.flush()
+from gpulab.distributed import init, say
 
 
 def main() -> None:
@@ -45,14 +39,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed all-reduces per size (median)")
     args = parser.parse_args()
 
-    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # ranks share the cores
+    me = init()
+    rank, world, device, backend = me.rank, me.world, me.device, me.backend
 
     def sync() -> None:
         if device.type == "cuda":

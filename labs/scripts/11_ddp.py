@@ -26,8 +26,6 @@ Rank 0 writes the measurements as JSON to --out; every rank prints `[rankN] ...`
 import argparse
 import contextlib
 import json
-import os
-import sys
 import time
 
 import torch
@@ -36,14 +34,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpulab.data import IGNORE_INDEX, load_task
+from gpulab.distributed import init, say
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
-
-
-def say(rank: int, text: str) -> None:
-    """One `[rankN]` line in a single write, so two ranks sharing a pipe never interleave mid-line."""
-    sys.stdout.write(f"[rank{rank}] {text}\n")
-    sys.stdout.flush()
 
 
 def loss_tokens(labels: torch.Tensor) -> int:
@@ -99,14 +92,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     args = parser.parse_args()
 
-    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # ranks share the cores: spinning OpenMP threads would slow both
+    me = init()
+    rank, world, device, backend = me.rank, me.world, me.device, me.backend
     result: dict = {"backend": backend, "world": world, "bucket_cap_mb": args.bucket_cap_mb}
 
     shape = PRESETS["tiny"].shape

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from collections import defaultdict
 
@@ -44,16 +42,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpulab.data import load_task
+from gpulab.distributed import init, say
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
 
 RUNS = ("ddp", "zero1", "zero2", "zero3", "zero3_bf16", "zero3_offload")
-
-
-def say(rank: int, text: str) -> None:
-    """One `[rankN]` line in a single write, so two ranks sharing a pipe never interleave mid-line."""
-    sys.stdout.write(f"[rank{rank}] {text}\n")
-    sys.stdout.flush()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -215,13 +208,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write every rank's results here as JSON (rank 0 writes)")
     args = parser.parse_args()
 
-    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)  # two processes share the cores: spinning OpenMP threads only slow them
+    me = init()
+    rank, world, device, backend = me.rank, me.world, me.device, me.backend
 
     task = load_task(seq_len=PRESETS["tiny"].seq_len)
     stream = task.batches(args.batch_size, seed=0)

@@ -16,20 +16,14 @@ compares its own stage's gradients with them. Rank 0 writes all results to --out
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def say(rank: int, text: str) -> None:
-    """One `[rankN]` line in a single write, so two ranks sharing a pipe never interleave mid-line."""
-    sys.stdout.write(f"[rank{rank}] {text}\n")
-    sys.stdout.flush()
+from gpulab.distributed import init, say
 
 
 def build_model(width: int, depth: int, seed: int) -> nn.Sequential:
@@ -188,17 +182,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     args = ap.parse_args()
 
-    # One thread per rank: two ranks share the cores, and spinning OpenMP threads would swamp the timings.
-    torch.set_num_threads(args.threads)
     # NCCL needs a GPU per process on each node; with fewer, the stages run as gloo processes on the CPU.
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.device_count() >= local_world else "gloo")
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+    me = init(threads=args.threads)
+    rank, world, device, backend = me.rank, me.world, me.device, me.backend
     on_gpu = device.type == "cuda"
-    if on_gpu:
-        torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     if args.depth % world:
         raise SystemExit(f"depth {args.depth} does not split into {world} equal stages")

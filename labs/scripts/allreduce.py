@@ -5,27 +5,15 @@ process). Lab 00 launches it through `gpulab.launch.torchrun` to check the machi
 distributed labs.
 """
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 
-
-def say(rank: int, text: str) -> None:
-    """Print one `[rankN]` line in a single write: print() writes the text and the newline separately,
-    and two ranks sharing the launcher's pipe can interleave between the two writes."""
-    sys.stdout.write(f"[rank{rank}] {text}\n")
-    sys.stdout.flush()
+from gpulab.distributed import init, say
 
 
 def main() -> None:
-    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    me = init()
+    rank, world, device = me.rank, me.world, me.device
     x = torch.arange(4, dtype=torch.float32, device=device) + 10 * rank
     say(rank, f"before all_reduce: {x.tolist()}")
     dist.all_reduce(x, op=dist.ReduceOp.SUM)

@@ -1,0 +1,45 @@
+"""The start of every program in labs/scripts/: the process group on the right backend and device, and
+rank-tagged output lines that `gpulab.launch.torchrun` groups by rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+
+
+def say(rank: int, text: str) -> None:
+    """Print one `[rankN]` line in a single write: print() writes the text and the newline separately,
+    and two ranks sharing the launcher's pipe can interleave between the two writes."""
+    sys.stdout.write(f"[rank{rank}] {text}\n")
+    sys.stdout.flush()
+
+
+def init(threads: int | None = 1) -> Rank:
+    """`init_process_group` from torchrun's environment, and this rank's device.
+
+    The backend is $GPULAB_BACKEND (set by `gpulab.launch.torchrun`), else NCCL when this node has a GPU
+    per local process and gloo over CPU processes otherwise. `threads` sets torch's CPU threads per
+    rank: the ranks of one machine share its cores, and OpenMP threads that find their core taken spin
+    and slow everyone; None keeps torch's default.
+    """
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = os.environ.get("GPULAB_BACKEND") or ("nccl" if torch.cuda.device_count() >= local_world else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return Rank(dist.get_rank(), dist.get_world_size(), device, backend)
