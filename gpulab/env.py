@@ -9,6 +9,8 @@ import random
 
 import torch
 
+from gpulab.plots import use_book_style
+
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes")
 
 
@@ -78,8 +80,9 @@ def seed_everything(seed: int = 0) -> None:
 
 
 def setup(seed: int = 0, prefer: str | None = None) -> torch.device:
-    """Pick the device, seed everything, print the banner; returns the device."""
+    """Pick the device, seed everything, set the plot style, print the banner; returns the device."""
     device = pick_device(prefer)
     seed_everything(seed)
+    use_book_style()
     print(banner(device))
     return device
