@@ -37,3 +37,19 @@ def use_book_style() -> None:
     except ImportError:  # gpulab's units need no plotting
         return
     mpl.rcParams.update(RC)
+
+
+def plain_log_axis(ax, which: str = "y") -> None:
+    """Label a log axis with plain numbers (0.1, 0.2, 0.3) instead of 10^-1 and 3 x 10^-1.
+
+    Matplotlib labels a log axis that spans less than a decade with minor ticks in scientific form,
+    which reads as clutter; this keeps the ticks where they are and writes them as `%g` numbers.
+    """
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    low, high = sorted(abs(v) for v in (ax.get_ylim() if which == "y" else ax.get_xlim()))
+    # within a decade the major ticks alone are too few: label the minor ones too, plainly
+    spans_decade = low > 0 and high / low >= 10
+    axis.set_minor_formatter(NullFormatter() if spans_decade else FuncFormatter(lambda value, _: f"{value:g}"))
