@@ -9,7 +9,12 @@ seconds):
 2. the gradient buckets DDP builds (`bucket_cap_mb`) and when each bucket's all-reduce is launched,
    recorded by a communication hook, against the backward pass's last gradient;
 3. gradient accumulation over k micro-batches with `no_sync()` for the first k - 1: the same
-   gradients as syncing every micro-batch, with k times fewer all-reduces.
+   gradients as syncing every micro-batch, with k times fewer all-reduces;
+4. overlap, measured: a `torch.profiler` trace of one backward puts the all-reduces' execution
+   intervals (gloo's worker threads on CPUs, NCCL kernels on GPUs) and the backward's operations on
+   one clock (host timestamps of a launch say nothing about when a GPU ran it);
+5. the precision gradients travel in: under `torch.autocast(bfloat16)` the buckets are still fp32;
+   `bf16_compress_hook` sends them in bf16, half the bytes, with bf16's rounding in the average.
 
 Run it by hand on one machine (gloo over CPU processes, or NCCL with a GPU per process):
 
@@ -31,7 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
 from gpulab.data import IGNORE_INDEX, load_task
 from gpulab.distributed import init, say
@@ -83,6 +91,54 @@ def record_and_allreduce(state: CommRecorder, bucket: dist.GradBucket) -> torch.
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def bf16_compress(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """`default_hooks.bf16_compress_hook` under another name: DDP refuses a hook *named* so unless torch
+    was built with CUDA and NCCL 2.10+, but gloo all-reduces bf16 too, so CPU processes can run it."""
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+class AllReduceBytes:
+    """Inside `with`, count what every `dist.all_reduce` call is handed: bytes and dtype. DDP's comm
+    hooks, the recorder above and `default_hooks.bf16_compress_hook` alike, call it by module attribute."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str]] = []
+        self._saved = dist.all_reduce
+
+    def __enter__(self) -> "AllReduceBytes":
+        def counting(tensor, *args, **kwargs):
+            self.calls.append((tensor.numel() * tensor.element_size(), str(tensor.dtype)))
+            return self._saved(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._saved
+
+
+def overlap_from_trace(prof: profile, on_gpu: bool) -> dict:
+    """All-reduce and backward intervals (ms, from the backward's first operation) read off a profiler
+    trace: on GPUs the NCCL kernels against the other kernels; on CPUs gloo's `gloo:all_reduce` (run on
+    its worker threads) against the autograd engine's operations."""
+    events = prof.events()
+    if on_gpu:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        comm = [e for e in kernels if "nccl" in e.name.lower() and "allreduce" in e.name.lower()]
+        compute = [e for e in kernels if "nccl" not in e.name.lower()]
+    else:
+        comm = [e for e in events if e.name == "gloo:all_reduce"]
+        compute = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    t0 = min(e.time_range.start for e in compute)
+    end = max(e.time_range.end for e in compute)
+    spans = sorted(((e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3) for e in comm)
+    backward_ms = (end - t0) / 1e3
+    return {"backward_ms": backward_ms, "allreduce_ms": spans,
+            "overlapped_ms": sum(max(0.0, min(b, backward_ms) - a) for a, b in spans),
+            "allreduce_total_ms": sum(b - a for a, b in spans),
+            "started_during_backward": sum(a < backward_ms for a, _ in spans)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON file rank 0 writes the measurements to")
@@ -130,6 +186,15 @@ def main() -> None:
         return flat_grad(ddp.module)
 
     ddp_grads("global tokens")  # iteration 1: DDP rebuilds its buckets in the order gradients arrived
+    # a profiler trace of one more backward: when each all-reduce really ran, against backward's work
+    ddp.zero_grad(set_to_none=True)
+    loss = summed_token_loss(ddp, local) * world / n_global
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    result["overlap"] = overlap_from_trace(prof, device.type == "cuda")
     # post-accumulate-grad hooks fire as each parameter's .grad is final: the backward's timeline
     ready_ms: dict[str, float] = {}
     handles = [p.register_post_accumulate_grad_hook(
@@ -184,6 +249,33 @@ def main() -> None:
     result["micro_batches"] = args.micro
     say(rank, f"{args.micro} micro-batches of {micro} sequences: all-reduces "
               + ", ".join(f"{n} ({how})" for how, n in all_reduces.items()))
+
+    # -- 5. the precision gradients travel in, under autocast, without and with bf16_compress_hook ---
+    sent = {}
+    grads = {}
+    for how in ("default (fp32 buckets)", "bf16_compress_hook"):
+        module = build_model(shape, device=device, seed=0)
+        model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+                    bucket_cap_mb=args.bucket_cap_mb)
+        if how == "bf16_compress_hook":
+            model.register_comm_hook(state=None, hook=bf16_compress)
+        else:  # what DDP does without a hook, through dist.all_reduce so that it is counted the same way
+            model.register_comm_hook(CommRecorder({id(p): n for n, p in module.named_parameters()}),
+                                     record_and_allreduce)
+        for _ in range(2):  # the second iteration runs on the rebuilt buckets
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):  # bf16 matmuls, fp32 parameters
+                loss = summed_token_loss(model, local) * world / n_global
+            with AllReduceBytes() as counter:
+                loss.backward()
+        sent[how] = {"bytes": sum(b for b, _ in counter.calls), "calls": len(counter.calls),
+                     "dtypes": sorted({d for _, d in counter.calls}),
+                     "grad_dtypes": sorted({str(p.grad.dtype) for p in model.module.parameters()})}
+        grads[how] = flat_grad(model.module)
+    result["compression"] = sent
+    result["bf16_hook_vs_fp32_allreduce"] = rel_error(grads["bf16_compress_hook"], grads["default (fp32 buckets)"])
+    say(rank, "under autocast: " + "; ".join(f"{how}: {v['calls']} all-reduces, {v['bytes']:,} bytes in {v['dtypes']}"
+                                             for how, v in sent.items()))
 
     if rank == 0 and args.out:
         with open(args.out, "w") as f:

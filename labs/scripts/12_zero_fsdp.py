@@ -11,6 +11,11 @@ Each run trains the course's tiny Llama for a few AdamW steps (fp32) on the same
 - `zero3_bf16` zero3 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32);
 - `zero3_offload` zero3 with CPUOffloadPolicy(pin_memory=False).
 
+For zero2 and zero3 one more forward and backward from the state at rest measures the in-step
+memory: bytes allocated above rest at the forward/backward boundary and at the step's peak (CUDA: the
+allocator's counters; CPU: the profiler's allocator events) and the gathered parameter bytes held
+between forward and backward, which is what tells the two apart (at rest they hold the same bytes).
+
 Rank 0 also trains one process on the whole batch as the reference (the mean of the two half-batch
 losses, which is what data parallelism averages). Bytes are counted from the tensors each rank holds
 (a DTensor's local shard; storages counted once); communication from the tensors handed to
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 import time
 from collections import defaultdict
 
@@ -41,6 +48,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpulab.data import load_task
 from gpulab.distributed import init, say
@@ -126,6 +134,60 @@ class Traffic:
         return fut.then(lambda f: f.value()[0])
 
 
+def gathered_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters that are whole (gathered) right now: FSDP2 swaps a module's sharded
+    DTensor parameters for plain unsharded tensors while they are gathered."""
+    return held_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
+
+
+def allocator_bytes(trace_path: str) -> tuple[int, int, int]:
+    """(bytes allocated when the profile started, at the "backward" mark, at the peak) from the CPU
+    allocator's [memory] events in a profiler trace (profile_memory=True). 'Total Allocated' is the
+    allocator's running total of bytes allocated while the profiler watched and not yet freed; it
+    sees every allocation, FSDP2's storage resizes included (tensor-level tracking such as
+    gpulab.live_bytes does not)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+                 key=lambda e: e["ts"])
+    mark = min(e["ts"] for e in events if e.get("name") == "backward" and e.get("ph") == "X")
+    start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
+    boundary = [e["args"]["Total Allocated"] for e in mem if e["ts"] <= mark][-1]
+    return start, boundary, max(e["args"]["Total Allocated"] for e in mem)
+
+
+def step_memory(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> dict:
+    """One forward and backward from the state at rest: bytes above rest at the forward/backward
+    boundary and at the step's peak (CUDA: the caching allocator's counters; CPU: the profiler's
+    allocator events), and the gathered parameter bytes held at the boundary."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        rest = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = model(**batch).loss
+        torch.cuda.synchronize(device)
+        boundary, gathered = torch.cuda.memory_allocated(device) - rest, gathered_bytes(model)
+        loss.backward()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - rest
+    else:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = model(**batch).loss
+            gathered = gathered_bytes(model)
+            with record_function("backward"):
+                loss.backward()
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            start, at_boundary, at_peak = allocator_bytes(path)
+        finally:
+            os.remove(path)
+        boundary, peak = at_boundary - start, at_peak - start
+    model.zero_grad(set_to_none=True)
+    return {"boundary_bytes": boundary, "peak_bytes": peak, "gathered_bytes": gathered}
+
+
 def halves(batch: dict[str, torch.Tensor], world: int) -> list[dict[str, torch.Tensor]]:
     return [{k: v.chunk(world)[r] for k, v in batch.items()} for r in range(world)]
 
@@ -193,6 +255,9 @@ def run(kind: str, batches, steps: int, lr: float, device: torch.device) -> dict
             dist.all_reduce(mean)  # outside the counted collectives: only the training's traffic counts
             losses.append(mean.item() / world)
     hook.remove()
+    step_mem = None
+    if kind in ("zero2", "zero3"):  # the in-step memory that tells ZeRO-2-like from ZeRO-3
+        step_mem = step_memory(model, {k: v.to(device) for k, v in halves(batches[0], world)[rank].items()}, device)
     moments, step_bytes = state_bytes(opt.optim if kind == "zero1" else opt)
     return {
         "losses": losses,
@@ -205,6 +270,7 @@ def run(kind: str, batches, steps: int, lr: float, device: torch.device) -> dict
         "forward_param_dtypes": sorted(seen_dtypes),
         "stored_param_dtypes": sorted({str(p.dtype) for p in params}),
         "param_devices": sorted({local(p).device.type for p in params}),
+        "step_memory": step_mem,
     }
 
 

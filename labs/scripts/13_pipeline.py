@@ -1,6 +1,9 @@
 """Pipeline parallelism on K = 2 stages: GPipe and 1F1B written by hand with send/recv, then
-`torch.distributed.pipelining` (ScheduleGPipe, Schedule1F1B); gradients against one process; a timeline
-of every stage's forward and backward; saved-activation bytes held per stage.
+`torch.distributed.pipelining` (ScheduleGPipe, Schedule1F1B, and with two model chunks per rank
+ScheduleInterleaved1F1B and, where the installed torch has them, ScheduleInterleavedZeroBubble and
+ScheduleZBVZeroBubble); gradients against one process; a timeline of every stage's forward and backward;
+saved-activation bytes held per stage; and a one-process baseline: the same model and micro-batches
+run on one rank without pipelining, timed while the other rank waits.
 
 One node:   torchrun --nproc-per-node=2 labs/scripts/13_pipeline.py --out pipeline.json
 Two nodes (one stage per node; run on each, node-rank 0 and 1):
@@ -16,7 +19,6 @@ compares its own stage's gradients with them. Rank 0 writes all results to --out
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -162,6 +164,46 @@ def run_schedule(kind: str, stage: nn.Module, rank: int, world: int, x: torch.Te
         work.wait()
 
 
+def library_step(name: str, full: nn.Sequential, rank: int, world: int, x: torch.Tensor, y: torch.Tensor,
+                 m: int, device: torch.device) -> list[nn.Module]:
+    """One step of a torch.distributed.pipelining schedule; returns this rank's model chunks.
+
+    Single-stage schedules give rank r the r-th of K chunks. The multi-stage ones cut the model into
+    2K chunks, two per rank: in a loop (rank r holds chunks r and r + K) for the interleaved schedules,
+    in a V (rank r holds chunks r and 2K - 1 - r) for ScheduleZBVZeroBubble."""
+    import torch.distributed.pipelining as pp
+
+    cls = getattr(pp, name)
+    multi = name not in ("ScheduleGPipe", "Schedule1F1B")
+    n_chunks = 2 * world if multi else world
+    size = len(full) // n_chunks
+    if not multi:
+        mine = [rank]
+    elif name == "ScheduleZBVZeroBubble":
+        mine = [rank, 2 * world - 1 - rank]
+    else:
+        mine = [rank, rank + world]
+    chunks = [full[c * size:(c + 1) * size] for c in mine]
+    stages = [pp.PipelineStage(chunk, c, n_chunks, device) for chunk, c in zip(chunks, mine)]
+    # loss_fn is the mean over a micro-batch; scale_grads (default True) divides the summed
+    # gradients by M, which gives the full batch's mean again.
+    schedule = cls(stages if multi else stages[0], n_microbatches=m, loss_fn=loss_fn)
+    has_first, has_last = 0 in mine, n_chunks - 1 in mine
+    kwargs = {"target": y, "losses": []} if has_last else {}
+    if has_first:
+        schedule.step(x, **kwargs)
+    else:
+        schedule.step(**kwargs)
+    return chunks
+
+
+def one_process_step(full: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int) -> None:
+    """The baseline: the whole model on one device, the same M micro-batches one after another
+    (gradient accumulation), no pipeline and no communication."""
+    for xs, ys in zip(x.chunk(m), y.chunk(m)):
+        (loss_fn(full(xs), ys) / m).backward()
+
+
 def grads_of(module: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in module.parameters()]
 
@@ -178,7 +220,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128, help="rows per step, split into M micro-batches")
     ap.add_argument("--check-m", type=int, default=4, help="micro-batches for the gradient checks")
     ap.add_argument("--sweep-m", default="1,2,4,8", help="micro-batch counts for the timings")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps after a warm-up; the fastest counts")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     args = ap.parse_args()
 
@@ -201,6 +243,7 @@ def main() -> None:
     # The single-process reference: the whole model on the whole batch.
     loss_fn(full(x), y).backward()
     ref = grads_of(stage)
+    ref_of = {id(p): p.grad.detach().clone() for p in full.parameters()}  # for any chunk of the model
     full.zero_grad(set_to_none=True)
     say(rank, f"stage {rank} of {world}: blocks {lo}-{hi - 1}, {sum(p.numel() for p in stage.parameters()):,} "
               f"parameters, backend {backend}")
@@ -208,7 +251,8 @@ def main() -> None:
     rec = Recorder(rank, list(stage.parameters()), sync, device)
     results: dict = {"backend": backend, "world": world, "width": args.width, "depth": args.depth,
                      "batch": args.batch, "check_m": args.check_m, "grad_error": {}, "peak_saved_bytes": {},
-                     "step_s": {}, "events": {}, "cuda_peak_bytes": {}}
+                     "step_s": {}, "events": {}, "cuda_peak_bytes": {}, "library_step_s": {},
+                     "one_process_step_s": {}, "library_schedules": []}
 
     def gather(obj):
         everyone = [None] * world
@@ -235,44 +279,74 @@ def main() -> None:
     results["saved_bytes_per_microbatch"] = gather(rec.peak_bytes)
     stage.zero_grad(set_to_none=True)
 
-    # 2. The library: torch.distributed.pipelining with a manual PipelineStage per rank.
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    # 2. The library: torch.distributed.pipelining with manual PipelineStages (one or two per rank).
+    import torch.distributed.pipelining as pp
 
-    for name, cls in (("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)):
-        stage.zero_grad(set_to_none=True)
-        pstage = PipelineStage(stage, rank, world, device)
-        # loss_fn is the mean over a micro-batch; scale_grads (default True) divides the summed
-        # gradients by M, which gives the full batch's mean again.
-        schedule = cls(pstage, n_microbatches=m, loss_fn=loss_fn)
-        losses: list = []
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        err = rel_error(grads_of(stage), ref)
+    schedules = [n for n in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+                             "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble") if hasattr(pp, n)]
+    results["library_schedules"] = schedules
+    for name in schedules:
+        full.zero_grad(set_to_none=True)
+        chunks = library_step(name, full, rank, world, x, y, m, device)
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        err = rel_error([p.grad for p in params], [ref_of[id(p)] for p in params])
         say(rank, f"torch.distributed.pipelining {name}, M={m}: gradients match one process within 1e-5: "
                   f"{err < 1e-5}")
         results["grad_error"][name] = gather(err)
-    stage.zero_grad(set_to_none=True)
+    full.zero_grad(set_to_none=True)
 
     # 3. Step time against M, and the timeline of every step (timings: JSON only).
     for kind in ("gpipe", "1f1b"):
         for mm in [int(v) for v in args.sweep_m.split(",")]:
-            times, events = [], []
+            best, events = float("inf"), []
             for rep in range(args.repeats + 1):  # the first is a warm-up
                 rec.start()
                 run_schedule(kind, stage, rank, world, x, y, mm, rec, device)
                 sync()
                 dist.barrier()
-                if rep:
-                    times.append(time.time() - rec.t0)
-                    events = rec.events
+                # the fastest step, on rank 0's decision so that every rank keeps the same step's events
+                step_s = torch.tensor([time.time() - rec.t0], dtype=torch.float64, device=device)
+                dist.broadcast(step_s, src=0)
+                if rep and step_s.item() < best:
+                    best, events = step_s.item(), rec.events
             stage.zero_grad(set_to_none=True)
-            results["step_s"][f"{kind}/{mm}"] = gather(statistics.median(times))
+            results["step_s"][f"{kind}/{mm}"] = gather(best)
             results["events"][f"{kind}/{mm}"] = [e for evs in gather(events) for e in evs]
-    say(rank, f"timed GPipe and 1F1B for M in {args.sweep_m} ({args.repeats} steps each)")
+    # 4. The library's schedules and the one-process baseline, timed on the same batch and M.
+    for mm in [int(v) for v in args.sweep_m.split(",")]:
+        for name in schedules:
+            if mm < world or mm % world:
+                continue  # the library wants M >= the number of ranks (the multi-stage ones a multiple)
+            times = []
+            for rep in range(args.repeats + 1):
+                full.zero_grad(set_to_none=True)
+                sync()
+                dist.barrier()
+                start = time.perf_counter()
+                library_step(name, full, rank, world, x, y, mm, device)
+                sync()
+                dist.barrier()
+                if rep:
+                    times.append(time.perf_counter() - start)
+            results["library_step_s"][f"{name}/{mm}"] = min(times)  # fastest: the least disturbed step
+        # rank 0 alone runs the whole model; the others wait at the barrier, so it has the machine
+        times = []
+        for rep in range(args.repeats + 1):
+            full.zero_grad(set_to_none=True)
+            dist.barrier()
+            if rank == 0:
+                sync()
+                start = time.perf_counter()
+                one_process_step(full, x, y, mm)
+                sync()
+                if rep:
+                    times.append(time.perf_counter() - start)
+            dist.barrier()
+        if rank == 0:
+            results["one_process_step_s"][str(mm)] = min(times)
+    full.zero_grad(set_to_none=True)
+    say(rank, f"timed GPipe and 1F1B by hand, {len(schedules)} library schedules and one process, "
+              f"for M in {args.sweep_m} ({args.repeats} steps each)")
 
     if rank == 0:
         with open(args.out, "w") as f:
