@@ -13,7 +13,6 @@ a layer or segment (a checkpointed segment's recomputation with its gradients).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,9 +22,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gpulab.live_bytes import Allocation, LiveBytes, Peak
-from gpulab.memory.calculator import TrainingSetup, activation_bytes
+from gpulab.memory.calculator import TrainingSetup, activation_terms
 from gpulab.memory.measure import SavedTensors, record_saved_tensors
-from gpulab.memory.policy import get_precision
 from gpulab.memory.shapes import ModelShape
 
 
@@ -244,48 +242,43 @@ def step_live_bytes(model: torch.nn.Module, batch: dict[str, Any],
 
 @dataclass(frozen=True)
 class PhaseEstimate:
-    """Activation bytes in the two phases that can hold the peak of a checkpointed step, from the calculator.
+    """Activation bytes in the phases of one training step, from the calculator (`activation_terms`).
 
-    `start_of_backward`: what forward keeps (segment inputs, the head's log-softmax and norm, RoPE tables)
-    plus the loss's two fp32 gradients. `recomputed_segment`: the segment inputs plus k layers' saved
-    tensors, rebuilt; the head's tensors are gone by then, and backward's own temporaries are not counted,
-    so it is a lower bound (lab 6 measures about a quarter of a layer more). `old_sum`: the calculator's
-    checkpointing figure, forward's keeps plus one segment, two things that never coexist.
+    `start_of_backward`: what forward keeps (segment inputs, the head's log-softmax and norm, RoPE's
+    tables, the checkpoints' arguments) plus the loss's two fp32 gradients. `recomputed_segment`: the
+    backward of the last segment, its k layers rebuilt, with the segment inputs and the gradients of
+    its last layer's MLP backward (without checkpointing: the last layer's backward, with all layers'
+    saved tensors). `end_of_forward`: what forward keeps, with autocast's weight cache. Each matches
+    live bytes to the byte in fp32 on a CPU (lab 6, tests). `old_sum`: what the calculator reported
+    before it counted phases, forward's keeps plus one segment, two things that never coexist.
     """
 
     start_of_backward: float
     recomputed_segment: float
     old_sum: float
+    end_of_forward: float = 0.0
 
     @property
     def peak(self) -> float:
-        """The larger phase: the peak is a max over phases, not a sum."""
-        return max(self.start_of_backward, self.recomputed_segment)
+        """The largest phase: the peak is a max over phases, not a sum (`activation_bytes` with checkpointing)."""
+        return max(self.start_of_backward, self.recomputed_segment, self.end_of_forward)
 
     @property
     def phase(self) -> str:
-        return START_OF_BACKWARD if self.start_of_backward >= self.recomputed_segment else "recomputed segment"
+        if self.peak == self.start_of_backward:
+            return START_OF_BACKWARD
+        return "recomputed segment" if self.peak == self.recomputed_segment else "end of forward"
 
 
 def calculator_terms(shape: ModelShape, setup: TrainingSetup) -> tuple[float, float, float]:
-    """(one segment input, one layer's saved tensors, the head with RoPE's tables) in bytes, backed out of
-    the calculator's totals with and without per-layer checkpointing (needs two layers or more)."""
-    if shape.num_layers < 2 or getattr(setup, "tp_degree", 1) != 1:
-        raise ValueError("the terms need at least two layers and no tensor parallelism")
-    base = dataclasses.replace(setup, checkpointing=False)
-    inp = setup.batch_size * setup.seq_len * shape.hidden_size * get_precision(setup.precision).weight_bytes
-    none = activation_bytes(shape, base)
-    per_layer = activation_bytes(shape, dataclasses.replace(base, checkpointing=True, checkpoint_every=1))
-    layer = (none - per_layer + shape.num_layers * inp) / (shape.num_layers - 1)
-    return inp, layer, none - shape.num_layers * layer
+    """(one segment input, one layer's saved tensors, the head with RoPE's tables) in bytes, from the
+    calculator's `activation_terms`."""
+    terms = activation_terms(shape, setup)
+    return terms.input, terms.layer, terms.head + terms.shared
 
 
 def estimate_phases(shape: ModelShape, setup: TrainingSetup) -> PhaseEstimate:
-    """The two phases of one training step with `setup` (checkpointed in segments of
-    `setup.checkpoint_every` layers, or not at all). Without checkpointing the "segment" is all layers."""
-    inp, layer, head = calculator_terms(shape, setup)
-    total = activation_bytes(shape, setup)
-    held = min(setup.checkpoint_every, shape.num_layers) if setup.checkpointing else shape.num_layers
-    kept = total - held * layer if setup.checkpointing else total
-    gradients = loss_gradient_bytes(setup.batch_size, setup.seq_len, shape.vocab_size)
-    return PhaseEstimate(kept + gradients, total - head, total)
+    """The phases of one training step with `setup` (checkpointed in segments of `setup.checkpoint_every`
+    layers, or not at all), from the calculator's terms."""
+    terms = activation_terms(shape, setup)
+    return PhaseEstimate(terms.start_of_backward, terms.backward_of_layers, terms.saved, terms.end_of_forward)

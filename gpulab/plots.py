@@ -11,7 +11,7 @@ COLUMN_IN = 7.0  # the book's text column at a 1280-px window is about 7.2 in (6
 MIN_FONT_PT = 9.0  # smallest legible text at the column's width
 DPI = 150  # at or above this a PNG stays sharp when the browser scales it to the column
 
-RC = {
+RC: dict[str, object] = {
     "font.size": 10,
     "axes.titlesize": 10,
     "axes.labelsize": 10,
@@ -36,7 +36,9 @@ def use_book_style() -> None:
         import matplotlib as mpl
     except ImportError:  # gpulab's units need no plotting
         return
-    mpl.rcParams.update(RC)
+    import matplotlib.style
+
+    matplotlib.style.use(RC)
 
 
 def plain_log_axis(ax, which: str = "y") -> None:

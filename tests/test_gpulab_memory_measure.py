@@ -1,9 +1,11 @@
 """Measured bytes match the calculator exactly for a real transformers Llama, in fp32 and in 16 bits."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from gpulab.memory import ModelShape, TrainingSetup, estimate
+from gpulab.memory import ModelShape, TrainingSetup, activation_terms, estimate
 from gpulab.memory import measure
 from gpulab.models import build_model
 
@@ -99,3 +101,80 @@ def test_one_sequence_matches_calculator(attention):
     act_bytes, _ = measure.saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
     setup = TrainingSetup(precision="fp32", batch_size=1, seq_len=16, attention=attention)
     assert act_bytes == estimate(SHAPE, setup).activations
+
+
+# The checkpointed figure is a peak over phases; live tensor bytes through a whole step measure it.
+STEP_SHAPE = ModelShape(vocab_size=200, hidden_size=64, intermediate_size=160, num_layers=4, num_heads=4,
+                        num_kv_heads=2)
+WIDE_VOCAB = 32 * STEP_SHAPE.hidden_size  # Llama-3 8B's vocabulary is 31x its hidden size
+
+
+def live_step(shape, every, policy="fp32", attention="sdpa", batch=2, seq=16, padded=False):
+    """(measured StepPeak, the calculator's ActivationTerms) for one training step."""
+    from gpulab.checkpointing import checkpoint_in_segments, step_live_bytes
+
+    weights, amp = POLICIES.get(policy, (torch.float32, None))
+    model = build_model(shape, attn_implementation=attention, dtype=weights)
+    if every:
+        checkpoint_in_segments(model, every)
+    if amp is not None:  # autocast around the forward only, as PyTorch recommends: backward runs outside it
+        model.forward = torch.autocast("cpu", dtype=amp)(model.forward)
+    ids = torch.randint(4, shape.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[0, seq // 2:] = 0
+        inputs["attention_mask"] = mask
+    setup = TrainingSetup(precision=policy, batch_size=batch, seq_len=seq, attention=attention,
+                          padding_mask=padded, checkpointing=bool(every), checkpoint_every=every or 1)
+    return step_live_bytes(model, inputs), activation_terms(shape, setup), estimate(shape, setup)
+
+
+def measured_phases(step):
+    layers = max(v for phase, v in step.phases.items() if phase.startswith("backward of"))
+    return step.phases["start of backward"], layers
+
+
+@pytest.mark.parametrize("every, vocab, phase", [
+    (1, STEP_SHAPE.vocab_size, "backward of the layers"),  # per layer: a recomputed layer holds the peak
+    (2, STEP_SHAPE.vocab_size, "backward of the layers"),  # k = sqrt(4)
+    (4, STEP_SHAPE.vocab_size, "backward of the layers"),  # one segment: the recomputation dominates
+    (1, WIDE_VOCAB, "start of backward"),  # a Llama-like vocabulary: the head and the loss's gradients dominate
+    (2, WIDE_VOCAB, "start of backward"),
+    (4, WIDE_VOCAB, "start of backward"),
+])
+def test_checkpointed_peak_matches_live_bytes(every, vocab, phase):
+    shape = dataclasses.replace(STEP_SHAPE, vocab_size=vocab)
+    step, terms, est = live_step(shape, every)
+    start, layers = measured_phases(step)
+    assert (start, layers) == (terms.start_of_backward, terms.backward_of_layers)  # each phase, to the byte
+    assert step.peak.bytes == est.activations == terms.peak and terms.phase == phase
+    # the old sum (forward's keeps + one segment) is off by the head or the gradients, either way
+    assert terms.saved != terms.peak
+
+
+@pytest.mark.parametrize("every", [0, 1, 2])
+@pytest.mark.parametrize("policy, attention, batch, padded", [
+    ("fp32", "sdpa", 2, True), ("fp32", "eager", 2, False), ("fp32", "sdpa", 1, False),
+    ("bf16-pure", "sdpa", 2, False), ("bf16-pure", "eager", 2, True),
+])
+def test_step_phases_match_live_bytes(every, policy, attention, batch, padded):
+    # exact in fp32 and in 16-bit models, with and without checkpointing (without it the calculator's
+    # figure stays what forward saves; the start of backward adds the loss's gradients to it)
+    step, terms, est = live_step(STEP_SHAPE, every, policy, attention, batch, padded=padded)
+    assert measured_phases(step) == (terms.start_of_backward, terms.backward_of_layers)
+    assert step.peak.bytes == terms.peak
+    assert est.activations == (terms.peak if every else terms.saved)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_autocast_peak_is_a_close_lower_bound(every):
+    # under autocast the weight cache lives through forward, which then holds the peak (as the loss is
+    # computed); a layer's working set in forward and the gradients' 16-bit casts in backward are not
+    # counted, so the prediction is a lower bound, within 10%
+    step, terms, est = live_step(STEP_SHAPE, every, "bf16-autocast")
+    start, layers = measured_phases(step)
+    assert start == terms.start_of_backward
+    assert terms.backward_of_layers <= layers <= 1.10 * terms.backward_of_layers
+    assert est.activations <= step.peak.bytes <= 1.10 * est.activations
+    assert terms.phase == "end of forward" and step.peak.phase == "forward"

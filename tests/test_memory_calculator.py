@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from gpulab.memory import KNOWN_SHAPES, ModelShape, TrainingSetup, estimate
+from gpulab.memory import KNOWN_SHAPES, ModelShape, TrainingSetup, activation_terms, estimate
 from gpulab.memory.calculator import quantized_bytes_per_param
 
 GB = 1e9
@@ -92,7 +92,12 @@ def test_checkpointing_saves_activation_memory():
     shape = KNOWN_SHAPES["llama3-8b"]
     full = estimate(shape, TrainingSetup(seq_len=4096)).activations
     ckpt = estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True)).activations
-    assert ckpt < full / 5
+    # the checkpointed peak comes at the start of backward, where the loss's two fp32 gradients of
+    # 4096 x 128,256 values (4.2 GB) sit on top of the segment inputs and the head
+    assert ckpt < full / 3
+    terms = activation_terms(shape, TrainingSetup(seq_len=4096, checkpointing=True))
+    assert terms.phase == "start of backward" and ckpt == round(terms.start_of_backward)
+    assert terms.loss_gradients == 2 * 4 * 4096 * 128_256
 
 
 def test_qlora_bits_per_parameter():
@@ -129,18 +134,26 @@ def test_count_only_rejects_what_needs_shapes():
 
 def test_checkpoint_segments_keep_inputs_and_recompute_one_segment():
     shape = KNOWN_SHAPES["llama3-8b"]  # 32 layers
-    acts = {k: estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True, checkpoint_every=k)).activations
-            for k in (1, 2, 4, 8, 16, 32)}
-    # acts(k) = ceil(32 / k) * I + k * L + C: I a segment input, L one layer's activations, C the rest
-    i_bytes = 4096 * shape.hidden_size * 2  # one token sequence's hidden states in bf16
-    l_bytes = acts[2] - acts[1] + 16 * i_bytes
-    rest = acts[1] - 32 * i_bytes - l_bytes
-    for k, a in acts.items():
-        assert a == pytest.approx(-(-32 // k) * i_bytes + k * l_bytes + rest, abs=2)
-    # a Llama layer saves ~20x its input, so per-layer segments are the best here (the sqrt(n) rule
-    # assumes a layer saves about as much as its input)
-    assert min(acts, key=acts.get) == 1 and l_bytes > 20 * i_bytes
-    assert estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True)).activations == acts[1]
+    terms = {k: activation_terms(shape, TrainingSetup(seq_len=4096, checkpointing=True, checkpoint_every=k))
+             for k in (1, 2, 4, 8, 16, 32)}
+    i_bytes = 4096 * shape.hidden_size * 2  # one sequence's hidden states in bf16
+    one = terms[1]
+    for k, t in terms.items():
+        # what is saved (forward + one recomputed segment): ceil(32 / k) inputs + k layers + the rest
+        assert t.saved == pytest.approx(-(-32 // k) * i_bytes + k * one.layer + one.head + one.shared, abs=2)
+        # the start of backward loses an input per segment fewer; the recomputed segment gains a layer per layer
+        assert one.start_of_backward - t.start_of_backward == pytest.approx((32 - -(-32 // k)) * i_bytes, abs=2)
+        assert t.backward_of_layers - one.backward_of_layers == pytest.approx(
+            (k - 1) * one.layer - (32 - -(-32 // k)) * i_bytes, abs=2)
+        # the calculator reports the larger phase, not the sum
+        est = estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True, checkpoint_every=k)).activations
+        assert est == round(max(t.start_of_backward, t.backward_of_layers, t.end_of_forward))
+    # a Llama layer saves ~25x its input, so the layers' phase is smallest for per-layer segments (the
+    # sqrt(n) rule assumes a layer saves about as much as its input) ...
+    assert min(terms, key=lambda k: terms[k].backward_of_layers) == 1 and one.layer > 20 * i_bytes
+    # ... but with Llama-3's vocabulary the loss's gradients set the peak up to k = 8
+    assert [t.phase for t in terms.values()] == ["start of backward"] * 3 + ["backward of the layers"] * 3
+    assert estimate(shape, TrainingSetup(seq_len=4096, checkpointing=True)).activations == round(one.peak)
     with pytest.raises(ValueError, match="checkpoint_every"):
         TrainingSetup(checkpointing=True, checkpoint_every=0)
 

@@ -6,7 +6,10 @@ two moments) bytes, and ZeRO stages 1, 2, 3 split the optimizer states, then the
 weights over the data-parallel GPUs. The optimizer part includes the fp32 master copy, as in the paper.
 
 Activations are counted from the tensors that `transformers`' Llama layers save for backward (see
-`activation_bytes`), so lab 01 can hold the prediction against a measurement.
+`activation_terms`), so lab 01 can hold the prediction against a measurement. With activation
+checkpointing what forward saves and what backward rebuilds are never alive together: the figure is
+then the step's peak, the largest of its phases (`activation_bytes`), which lab 06 and the tests hold
+against the live tensor bytes of a whole step.
 
 Tensor parallelism (`tp_degree` t, Megatron's layout as `gpulab.tensor_parallel` applies it) splits each
 layer's projections, the embedding and the LM head over t GPUs and keeps the norms whole; the
@@ -115,14 +118,104 @@ def quantized_bytes_per_param(kind: str, double_quant: bool) -> float:
     return QUANT_BITS[kind] / 8 + constants
 
 
-def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
-    """Bytes saved for backward by one training forward of a `transformers` Llama model, per GPU.
+@dataclass(frozen=True)
+class ActivationTerms:
+    """What one training step's activations are made of, in bytes per GPU (see `activation_bytes`).
 
-    Three element sizes set the count: `a`, what matmuls and attention produce (4 in fp32, 2 in any
-    16-bit policy); `r`, the residual stream between layers, which has the weights' dtype (2 when the
-    model itself is 16-bit, 4 in fp32 and under autocast, where the weights stay fp32); and fp32 (4),
-    which RMSNorm and the loss use whatever the policy. Per token, each decoder layer saves
-    (h hidden, i intermediate, kv = kv heads x head dim):
+    The terms, as the forward pass saves them: `input`, one segment input (the residual stream,
+    b x s x hidden); `layer`, what one decoder layer saves; `head`, what the final norm, the LM head and
+    the loss save (the loss value and the batch's int64 ids included); `shared`, RoPE's tables, kept
+    once; `segments`, how many segment inputs a checkpointed forward keeps (0 without checkpointing);
+    `held`, layers whose saved tensors are alive together in backward (all of them without
+    checkpointing, the k layers of one segment with it). What the step holds besides:
+    `loss_gradients`, the two fp32 gradients of b x s x vocab that the loss's backward makes;
+    `labels_copy`, the int64 shifted labels it frees first; `layer_temporaries`, the most a layer's
+    backward holds at once beyond the layers' saved tensors (its MLP's gradients, less the SwiGLU
+    product it has freed by then); `checkpoint_args`, what the checkpoints keep for the recomputation
+    (positions, a mask); `autocast_cache`, autocast's 16-bit weight copies, cached through all of
+    forward (with checkpointing they are not saved, so they are extra); `logits`, the LM head's output
+    and its fp32 copy, alive while the loss is computed; `ids`, the batch's token ids,
+    which the embedding saves but which exist before the step (so the live count leaves them out).
+    """
+
+    input: float
+    layer: float
+    head: float
+    shared: float
+    segments: int
+    held: int
+    ids: float
+    loss_gradients: float
+    labels_copy: float
+    layer_temporaries: float
+    checkpoint_args: float = 0.0
+    autocast_cache: float = 0.0
+    logits: float = 0.0
+
+    SEED = 4  # backward's seed, the loss's gradient of 1: a fp32 scalar
+
+    @property
+    def saved(self) -> float:
+        """What autograd saves for backward: in forward and, with checkpointing, in one segment's
+        recomputation. Without checkpointing it is all alive at the end of forward; with it, the two
+        parts never coexist (the sum the calculator reported before it counted phases)."""
+        return self.segments * self.input + self.held * self.layer + self.head + self.shared
+
+    @property
+    def kept(self) -> float:
+        """Live bytes at the end of forward, once autocast has exited: with checkpointing the segment
+        inputs, the head, RoPE's tables and the checkpoints' arguments; without it, all that is saved."""
+        layers = 0 if self.segments else self.held * self.layer
+        return (self.segments * self.input + layers + self.head + self.shared + self.checkpoint_args
+                - self.ids)
+
+    @property
+    def end_of_forward(self) -> float:
+        """Phase 1, the forward pass as the loss is computed: what is kept, autocast's weight cache and
+        the logits. A lower bound of forward's peak: a layer's working set is not counted (in a
+        checkpointed segment nothing is saved, but a layer's intermediates live while it runs)."""
+        return self.kept + self.autocast_cache + self.logits
+
+    @property
+    def start_of_backward(self) -> float:
+        """Phase 2: all that forward kept, plus the loss's two fp32 gradients (less the labels' copy,
+        which `nll_loss`'s backward frees first) and the seed."""
+        return self.kept + self.loss_gradients - self.labels_copy + self.SEED
+
+    @property
+    def backward_of_layers(self) -> float:
+        """Phase 3, backward through the last segment (or, without checkpointing, the last layer): the
+        head's tensors are gone but the loss and the seed; the segment inputs, the segment's k layers,
+        rebuilt, and the gradients of its last layer's backward are alive."""
+        head_freed = self.head - self.ids - 4  # the caller still holds the loss
+        return self.kept - head_freed + (self.held * self.layer if self.segments else 0) \
+            + self.layer_temporaries + self.SEED
+
+    @property
+    def phases(self) -> dict[str, float]:
+        return {"end of forward": self.end_of_forward, "start of backward": self.start_of_backward,
+                "backward of the layers": self.backward_of_layers}
+
+    @property
+    def peak(self) -> float:
+        """The largest phase: the peak of a step is a max over phases, not a sum."""
+        return max(self.phases.values())
+
+    @property
+    def phase(self) -> str:
+        """Where the peak comes (the first phase that reaches it)."""
+        return max(self.phases, key=self.phases.__getitem__)
+
+
+def activation_terms(shape: ModelShape, setup: TrainingSetup) -> ActivationTerms:
+    """The terms of one training step's activations for a `transformers` Llama model, per GPU.
+
+    What the forward pass saves for backward is counted tensor by tensor. Three element sizes set the
+    count: `a`, what matmuls and attention produce (4 in fp32, 2 in any 16-bit policy); `r`, the
+    residual stream between layers, which has the weights' dtype (2 when the model itself is 16-bit,
+    4 in fp32 and under autocast, where the weights stay fp32); and fp32 (4), which RMSNorm and the
+    loss use whatever the policy. Per token, each decoder layer saves (h hidden, i intermediate,
+    kv = kv heads x head dim):
     - two RMSNorms, each: its input upcast to fp32 (4h), an fp32 1/rms (4), the normalized values in
       the stream's dtype (rh) and the scaled output the next projections read (rh). Under autocast
       that output is fp32 and every projection casts it to 16 bits itself, keeping its own copy:
@@ -140,11 +233,16 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
     sin are kept once, in the stream's dtype. Under autocast the 16-bit copies of the linear weights
     (LM head included) are saved too. With checkpointing the layers run in segments of
     `checkpoint_every`: each segment keeps only its input (rh per token), and backward recomputes one
-    segment at a time, holding that segment's activations (weight copies included); the total
-    ceil(layers / k) inputs + k layers is smallest near k = sqrt(layers).
-    Exact on a CPU for fp32, bf16/fp16 autocast and 16-bit models, SDPA and eager, padded or not,
-    checkpointed or not (the tests check each); CUDA's attention kernels save slightly different
-    extras (a few bytes per head and token).
+    segment at a time, holding that segment's activations (weight copies included).
+    What is saved is exact on a CPU for fp32, bf16/fp16 autocast and 16-bit models, SDPA and eager,
+    padded or not, checkpointed or not (the tests check each); CUDA's attention kernels save slightly
+    different extras (a few bytes per head and token). The phases built from these terms
+    (`ActivationTerms`) match live tensor bytes to the byte on a CPU in fp32 and in 16-bit models;
+    under autocast the backward of the layers is a lower bound (the gradients' 16-bit casts come on
+    top, a few per cent), and so is the forward pass everywhere (what is kept, autocast's weight cache
+    and the logits are counted, a layer's working set is not; forward stays below the other phases
+    but under autocast with checkpointing, where the weight cache makes it the peak). Under tensor
+    parallelism the phases follow the same terms; they are not measured there.
 
     With tensor parallelism (`tp_degree` t) each GPU keeps 1/t of what attention and the MLP save
     (its heads and its MLP channels, and its share of the weight copies), while the norms' tensors and
@@ -191,10 +289,56 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
         head += 8  # the loss pads labels to s + 1 and shifts them: one row needs no copy, keeps s + 1
     head += shape.vocab_size * h * prec.weight_copy_bytes / t  # the LM head's weight copy
     if setup.checkpointing:
-        k = min(setup.checkpoint_every, shape.num_layers)
-        segments = -(-shape.num_layers // k)
-        return segments * tokens * h * r / seq_split + k * per_layer + head + shared
-    return shape.num_layers * per_layer + head + shared
+        held = min(setup.checkpoint_every, shape.num_layers)
+        segments = -(-shape.num_layers // held)
+    else:
+        held, segments = shape.num_layers, 0
+    # backward of a layer peaks in its MLP: once down_proj's backward has freed the SwiGLU product, the
+    # product's gradient and the two gradients its backward makes (of SiLU(gate) and of up) are alive
+    # with the gradient of the residual stream
+    temporaries = tokens * (r * h / seq_split + 2 * a * i / t)
+    checkpoint_args, cache = 0.0, 0.0
+    if setup.checkpointing:
+        held = min(setup.checkpoint_every, shape.num_layers)
+        segments = -(-shape.num_layers // held)
+        # a checkpoint keeps its arguments for the recomputation: the positions (int64) and the mask,
+        # if the model makes one (eager: b x 1 x s x s in the activations' dtype; SDPA with padding: bool)
+        checkpoint_args = 8 * s
+        if setup.attention == "eager":
+            checkpoint_args += b * s * s * (a if prec.name.endswith("pure") else r)
+        elif setup.padding_mask:
+            checkpoint_args += b * s * s
+        if r == fp32:  # the first norm's "fp32 input" is the segment input itself, kept once
+            temporaries -= tokens * h * r / seq_split
+        # autocast caches the 16-bit copy of every weight until its region exits: through all of forward
+        cache = shape.num_layers * shape.layer_linear_params() * prec.weight_copy_bytes / t
+    else:
+        held, segments = shape.num_layers, 0
+    return ActivationTerms(input=tokens * h * r / seq_split, layer=per_layer, head=head, shared=shared,
+                           segments=segments, held=held, ids=tokens * 8,
+                           loss_gradients=2 * fp32 * tokens * shape.vocab_size,
+                           labels_copy=tokens * 8 + (8 if b == 1 else 0), layer_temporaries=temporaries,
+                           checkpoint_args=checkpoint_args, autocast_cache=cache,
+                           logits=tokens * shape.vocab_size * (a + (fp32 if a < fp32 else 0)))
+
+
+def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
+    """Activation bytes of one training step per GPU: what the forward pass saves for backward, or,
+    with checkpointing, the peak of the step (`activation_terms(...).peak`).
+
+    Without checkpointing the figure is what the forward pass saves (`ActivationTerms.saved`), which
+    is what stays alive from forward into backward and what lab 1 measures with saved-tensor hooks; the
+    start of backward adds the loss's gradients to it (`activation_terms(...).start_of_backward`).
+    With checkpointing what is saved in forward and what a recomputed segment saves are never alive
+    together, so their sum would be neither a peak nor a phase: the figure is the largest phase, the
+    start of backward (segment inputs, the head, the loss's two fp32 gradients of b x s x vocab) or
+    the backward of the last segment (segment inputs, its k layers rebuilt, the gradients of the last
+    layer's MLP backward), or, under autocast, the end of forward, where autocast's cache holds every
+    layer's 16-bit weights. Chapter 6 derives them; lab 6 and the tests measure them with live tensor
+    bytes, to the byte in fp32 and 16-bit models on a CPU.
+    """
+    terms = activation_terms(shape, setup)
+    return terms.peak if setup.checkpointing else terms.saved
 
 
 def torch_sequence_parallel_extra_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
