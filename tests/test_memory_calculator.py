@@ -165,3 +165,21 @@ def test_lomo_keeps_no_state_and_one_tensor_of_gradients():
     assert lomo.optimizer == 0 and lomo.gradients == 2 * largest
     assert lomo.gradients < estimate(shape, TrainingSetup(precision="bf16-pure", optimizer="sgd")).gradients / 10
     assert estimate(8e9, TrainingSetup(optimizer="lomo")).gradients == 0  # no shapes: nothing to size it by
+
+
+def test_total_is_the_step_peak_with_or_without_checkpointing():
+    """Without checkpointing `activations` is what forward saves; `backward_extra` brings the total up to
+    the step's peak (the start of backward: the loss's two fp32 gradients); with it the extra is 0."""
+    from gpulab.memory import KNOWN_SHAPES, TrainingSetup, activation_terms, estimate
+
+    shape = KNOWN_SHAPES["llama3-8b"]
+    for checkpointing in (False, True):
+        setup = TrainingSetup(precision="bf16", seq_len=4096, checkpointing=checkpointing)
+        est = estimate(shape, setup)
+        terms = activation_terms(shape, setup)
+        assert est.activations + est.backward_extra == round(terms.peak) or \
+            abs(est.activations + est.backward_extra - terms.peak) <= 1
+        assert (est.backward_extra == 0) == checkpointing
+    plain = estimate(shape, TrainingSetup(precision="bf16", seq_len=4096))
+    loss_gradients = 2 * 4 * 4096 * shape.vocab_size
+    assert 0.99 * loss_gradients < plain.backward_extra <= loss_gradients

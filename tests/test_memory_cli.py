@@ -17,7 +17,7 @@ def test_json_keys_and_zero_example():
     proc = run("--params", "7.5e9", "--dtype", "bf16", "--optimizer", "adamw", "--zero", "3", "--gpus", "64", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data) == {"parameters", "gradients", "optimizer", "activations", "kv_cache", "total"}
+    assert set(data) == {"parameters", "gradients", "optimizer", "activations", "backward_extra", "kv_cache", "total"}
     assert round(data["total"] / 1e9, 1) == 1.9
     assert all(isinstance(v, int) for v in data.values())
 

@@ -25,7 +25,7 @@ from typing import Union
 from gpulab.memory.policy import Precision, get_optimizer, get_precision, optimizer_state_bytes
 from gpulab.memory.shapes import ModelShape
 
-PARTS = ("parameters", "gradients", "optimizer", "activations", "kv_cache")
+PARTS = ("parameters", "gradients", "optimizer", "activations", "backward_extra", "kv_cache")
 ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QUANT_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
 QUANT_BLOCK = 64  # QLoRA's block size for 4-bit weights
@@ -87,6 +87,11 @@ class MemoryEstimate:
     activations: int
     kv_cache: int
     trainable_params: int
+    # What the step's peak holds beyond `activations`: without checkpointing, `activations` is what
+    # forward saves, and the start of backward adds the loss's two fp32 gradients over the vocabulary
+    # (or the last layer's backward its temporaries, if larger); with checkpointing `activations`
+    # already is the step's peak and this is 0 (`ActivationTerms.peak` is the whole of it).
+    backward_extra: int = 0
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -485,6 +490,7 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
         notes.append("ZeRO with one GPU shards nothing")
 
     acts = activation_bytes(shape, setup) if shape and setup.seq_len else 0.0
+    backward_extra = max(0.0, activation_terms(shape, setup).peak - acts) if shape and setup.seq_len else 0.0
     # each tensor-parallel GPU caches the KV heads it computes
     kv = kv_cache_bytes(shape, setup.kv_cache_len, setup.kv_cache_batch, prec.act_bytes) / setup.tp_degree \
         if shape else 0.0
@@ -501,5 +507,6 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
         activations=round(acts),
         kv_cache=round(kv),
         trainable_params=int(trainable),
+        backward_extra=round(backward_extra),
         notes=tuple(notes),
     )

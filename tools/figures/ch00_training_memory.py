@@ -2,7 +2,8 @@
 
 From `gpulab.memory.estimate`: full fine-tuning with mixed-precision AdamW (16-bit weights and
 gradients, fp32 master copy and moments: 16 bytes per parameter) and the activations of one
-4096-token sequence without checkpointing. GB = 10^9 bytes; the GPUs' memory is what nvidia-smi
+4096-token sequence without checkpointing, at the step's peak (what forward saves plus the loss's two
+fp32 gradients at the start of backward). GB = 10^9 bytes; the GPUs' memory is what nvidia-smi
 reports (`gpulab.hardware.gpu_memory_bytes`): sold as 24 GB and 80 GB, they hold 25.8 and 85.5 GB.
 """
 
@@ -21,15 +22,21 @@ SEQ_LEN = 4096
 MODELS = [("Llama 3.1 8B", "llama3-8b"), ("Llama 3.1 70B", "llama3-70b")]
 PARTS = ("parameters", "gradients", "optimizer", "activations")
 LABELS = {"parameters": "16-bit weights", "gradients": "16-bit gradients",
-          "optimizer": "fp32 master + AdamW moments", "activations": f"activations (1 × {SEQ_LEN} tokens)"}
+          "optimizer": "fp32 master + AdamW moments",
+          "activations": f"activations at the peak (1 × {SEQ_LEN} tokens)"}
 GPUS = [(f"{name}: {gpu_memory_bytes(key) / GB:.1f} GB", gpu_memory_bytes(key) / GB)
         for name, key in (("RTX 4090", "RTX 4090"), ("H100", "H100 80GB"))]
 
 
 def estimates() -> list[tuple[str, dict[str, float]]]:
     setup = TrainingSetup(precision="bf16", optimizer="adamw", seq_len=SEQ_LEN)
-    return [(label, {part: getattr(estimate(KNOWN_SHAPES[key], setup), part) / GB for part in PARTS})
-            for label, key in MODELS]
+    rows = []
+    for label, key in MODELS:
+        est = estimate(KNOWN_SHAPES[key], setup)
+        parts = {part: getattr(est, part) / GB for part in PARTS}
+        parts["activations"] += est.backward_extra / GB  # the loss's gradients at the start of backward
+        rows.append((label, parts))
+    return rows
 
 
 def draw() -> Figure:
