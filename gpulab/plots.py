@@ -7,6 +7,8 @@ text stays at or above ``MIN_FONT_PT`` points, and PNGs carry ``DPI`` pixels per
 
 from __future__ import annotations
 
+import math
+
 COLUMN_IN = 7.0  # the book's text column at a 1280-px window is about 7.2 in (690 px at 96 px/in)
 MIN_FONT_PT = 9.0  # smallest legible text at the column's width
 DPI = 150  # at or above this a PNG stays sharp when the browser scales it to the column
@@ -45,13 +47,20 @@ def plain_log_axis(ax, which: str = "y") -> None:
     """Label a log axis with plain numbers (0.1, 0.2, 0.3) instead of 10^-1 and 3 x 10^-1.
 
     Matplotlib labels a log axis that spans less than a decade with minor ticks in scientific form,
-    which reads as clutter; this keeps the ticks where they are and writes them as `%g` numbers.
+    which reads as clutter; this writes the ticks as `%g` numbers. Minor ticks at 2, 3 and 5 get labels
+    while the axis spans less than two decades, decided when the figure is drawn (so it may be called
+    before the data is plotted).
     """
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter
 
     axis = ax.yaxis if which == "y" else ax.xaxis
+
+    def minor(value: float, _: object) -> str:
+        low, high = sorted(abs(v) for v in axis.get_view_interval())
+        if value <= 0 or low <= 0 or high / low >= 100:
+            return ""
+        mantissa = round(value / 10 ** math.floor(math.log10(value) + 1e-9))
+        return f"{value:g}" if mantissa in (2, 3, 5) else ""  # 6, 7, 8, 9 would crowd below the next 10
+
     axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    low, high = sorted(abs(v) for v in (ax.get_ylim() if which == "y" else ax.get_xlim()))
-    # within a decade the major ticks alone are too few: label the minor ones too, plainly
-    spans_decade = low > 0 and high / low >= 10
-    axis.set_minor_formatter(NullFormatter() if spans_decade else FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))

@@ -74,3 +74,26 @@ def test_lab_sources_set_no_small_text(lab):
     named = re.findall(r"""(?:fontsize|labelsize)\s*=\s*["'](%s)["']""" % "|".join(SMALL_NAMES), source)
     assert not small and not named, f"{lab.name} sets text below {MIN_FONT_PT} pt: {small + named}"
     assert "rcParams" not in source, f"{lab.name} changes rcParams: gpulab.plots sets them for every lab"
+
+
+def test_plain_log_axis_writes_plain_numbers():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gpulab.plots import plain_log_axis
+
+    def labels(low, high):
+        fig, ax = plt.subplots()
+        ax.set_yscale("log")
+        plain_log_axis(ax, "y")  # before the data: the labels are decided when the figure is drawn
+        ax.plot([0, 1], [low, high])
+        ax.set_ylim(low, high)
+        fig.canvas.draw()
+        shown = [t.get_text() for t in ax.get_yticklabels() + ax.get_yminorticklabels()
+                 if t.get_text() and low <= t.get_position()[1] <= high]
+        plt.close(fig)
+        return shown
+
+    assert labels(0.25, 2.5) == ["1", "0.3", "0.5", "2"]  # under two decades: 2, 3 and 5 too
+    assert labels(0.001, 10) == ["0.001", "0.01", "0.1", "1", "10"]  # wider: the decades only
