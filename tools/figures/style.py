@@ -8,8 +8,8 @@ matplotlib.use("Agg")  # no display: figures are written to files
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-COLUMN_IN = 7.0  # the book's text column at a 1280-px window is about 7.2 in (690 px at 96 px/in)
-MIN_FONT_PT = 9.0  # smallest legible text at the column's width
+# the column's width and the smallest legible text, the same for the labs' plots (gpulab.plots)
+from gpulab.plots import COLUMN_IN, MIN_FONT_PT  # noqa: E402,F401
 
 RC = {
     "font.family": "DejaVu Sans",  # shipped with matplotlib: the same glyphs on every machine
