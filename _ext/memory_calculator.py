@@ -141,6 +141,8 @@ def form_html(srcdir: str) -> str:
         ],
         "Activations (per GPU)": [
             _row("batch_size", "Micro-batch", _number("batch_size", d.batch_size, 1)),
+            *([_row("grad_accumulation", "Accumulation", _number("grad_accumulation", d.grad_accumulation, 1),
+                    "micro-batches per optimizer step")] if hasattr(d, "grad_accumulation") else []),
             _row("seq_len", "Sequence length", _number("seq_len", DEFAULT_SEQ_LEN, 0), "0: activations not counted"),
             _row("attention", "Attention", _select("attention", attention, d.attention)),
             _row("checkpointing", "Checkpointing", _checkbox("checkpointing", d.checkpointing)),

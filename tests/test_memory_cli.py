@@ -14,18 +14,28 @@ def run(*args):
 
 
 def test_json_keys_and_zero_example():
-    proc = run("--params", "7.5e9", "--dtype", "bf16", "--optimizer", "adamw", "--zero", "3", "--gpus", "64", "--json")
+    proc = run("--params", "7.5e9", "--dtype", "bf16", "--optimizer", "adamw-foreach", "--zero", "3", "--gpus", "64",
+               "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data) == {"parameters", "gradients", "optimizer", "activations", "backward_extra", "kv_cache", "total"}
+    assert set(data) == {"parameters", "gradients", "optimizer", "activations", "backward_extra", "kv_cache", "total",
+                         "peak", "peak_moment"}
     assert round(data["total"] / 1e9, 1) == 1.9
-    assert all(isinstance(v, int) for v in data.values())
+    assert data["peak_moment"] == "optimizer step" and data["peak"] > data["total"]  # AdamW's temporaries
+    assert all(isinstance(v, int) for k, v in data.items() if k != "peak_moment")
 
 
 def test_table_output(capsys):
-    assert main(["--params", "7e9", "--dtype", "bf16", "--optimizer", "adamw"]) == 0
+    assert main(["--params", "7e9", "--dtype", "bf16", "--optimizer", "adamw-foreach"]) == 0
     out = capsys.readouterr().out
     assert "parameters" in out and "total" in out and "112.000" in out
+    assert "peak at: optimizer step" in out
+
+
+def test_grad_accumulation_option():
+    args = ["--model", "llama3-1b", "--seq", "2048", "--optimizer", "adamw", "--json"]
+    one, four = (json.loads(run(*args, *extra).stdout) for extra in ([], ["--grad-accum", "4"]))
+    assert four["peak"] - one["peak"] == one["gradients"] and four["total"] == one["total"]
 
 
 @pytest.mark.parametrize("args", [

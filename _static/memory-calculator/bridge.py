@@ -25,6 +25,7 @@ CLI_FLAGS = {
     "checkpointing": "--checkpointing", "checkpoint_every": "--checkpoint-every", "lora_rank": "--lora-rank",
     "quantization": "--quant", "double_quant": "--no-double-quant", "kv_cache_len": "--kv-context",
     "kv_cache_batch": "--kv-batch", "tp_degree": "--tp", "sequence_parallel": "--sp",
+    "grad_accumulation": "--grad-accum",
 }
 
 
@@ -93,6 +94,8 @@ def run(request_json: str) -> str:
     except (ValueError, OverflowError) as err:
         return json.dumps({"error": str(err)})
     rows = [_row(part, getattr(result, part)) for part in PARTS] + [_row("total", result.total)]
+    if hasattr(result, "peak"):  # the most alive at one moment of the step, and that moment
+        rows.append({**_row("peak", result.peak), "label": f"peak ({result.peak_moment})"})
     return json.dumps({
         "rows": rows,
         "trainable_params": f"{result.trainable_params:,}",

@@ -138,7 +138,7 @@
       return;
     }
     root.querySelector(".mc-table tbody").replaceChildren(...out.rows.map((row) => {
-      const tr = make("tr", { className: row.part === "total" ? "mc-total" : "" },
+      const tr = make("tr", { className: row.part === "total" || row.part === "peak" ? "mc-total" : "" },
         make("th", { scope: "row", textContent: row.label }),
         make("td", { className: "mc-num mc-gb", textContent: row.gb }),
         make("td", { className: "mc-num mc-gib", textContent: row.gib }),

@@ -11,6 +11,11 @@ checkpointing what forward saves and what backward rebuilds are never alive toge
 then the step's peak, the largest of its phases (`activation_bytes`), which lab 06 and the tests hold
 against the live tensor bytes of a whole step.
 
+The parts are sizes, and `total` adds them up as if all were alive at once. They are not: gradients
+live from backward to `zero_grad`, activations from forward to backward, and a multi-tensor optimizer
+allocates temporaries in its step. `peak` is the most alive at one moment of the step
+(`step_moments`), which tests/test_step_peak.py holds against the live bytes of whole training steps.
+
 Tensor parallelism (`tp_degree` t, Megatron's layout as `gpulab.tensor_parallel` applies it) splits each
 layer's projections, the embedding and the LM head over t GPUs and keeps the norms whole; the
 activations inside attention and the MLP shrink t-fold, those around the norms only with sequence
@@ -54,13 +59,17 @@ class TrainingSetup:
     kv_cache_batch: int = 1
     tp_degree: int = 1  # tensor-parallel GPUs per layer; world_size is then the data-parallel size
     sequence_parallel: bool = False  # with tp_degree > 1: norms and residual stream sharded on the sequence
+    # micro-batches per optimizer step: from the second one on, backward starts with every gradient
+    # alive (without accumulation `zero_grad(set_to_none=True)` leaves none when forward runs)
+    grad_accumulation: int = 1
 
     def __post_init__(self) -> None:
         get_precision(self.precision)
         get_optimizer(self.optimizer)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        for name in ("world_size", "batch_size", "kv_cache_batch", "checkpoint_every", "tp_degree"):
+        for name in ("world_size", "batch_size", "kv_cache_batch", "checkpoint_every", "tp_degree",
+                     "grad_accumulation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("seq_len", "lora_rank", "kv_cache_len"):
@@ -92,21 +101,30 @@ class MemoryEstimate:
     # (or the last layer's backward its temporaries, if larger); with checkpointing `activations`
     # already is the step's peak and this is 0 (`ActivationTerms.peak` is the whole of it).
     backward_extra: int = 0
+    # The step's peak: the most bytes alive at one moment (`step_moments`), and that moment. The parts
+    # are not all alive at once: gradients exist from backward to `zero_grad`, activations from
+    # forward to backward, so the peak is usually below `total`, or above it by the optimizer's
+    # temporaries.
+    peak: int = 0
+    peak_moment: str = ""
     notes: tuple[str, ...] = field(default=())
 
     @property
     def total(self) -> int:
+        """The sum of the parts: every part as if alive at once (the ZeRO paper's model states)."""
         return sum(getattr(self, part) for part in PARTS)
 
-    def to_dict(self) -> dict[str, int]:
-        return {**{part: getattr(self, part) for part in PARTS}, "total": self.total}
+    def to_dict(self) -> dict[str, int | str]:
+        return {**{part: getattr(self, part) for part in PARTS}, "total": self.total, "peak": self.peak,
+                "peak_moment": self.peak_moment}
 
     def table(self, unit: str = "GB") -> str:
         """A plain-text table; unit "GB" (10^9 bytes) or "GiB" (2^30 bytes)."""
         scale = {"GB": 1e9, "GiB": 2**30, "MB": 1e6, "MiB": 2**20}[unit]
-        rows = [(part, getattr(self, part)) for part in PARTS] + [("total", self.total)]
-        lines = [f"{'part':<12} {unit:>12}"]
-        lines += [f"{name:<12} {value / scale:>12.3f}" for name, value in rows]
+        rows = [(part, getattr(self, part)) for part in PARTS] + [("total", self.total), ("peak", self.peak)]
+        lines = [f"{'part':<14} {unit:>12}"]
+        lines += [f"{name:<14} {value / scale:>12.3f}" for name, value in rows]
+        lines.append(f"peak at: {self.peak_moment}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -430,6 +448,56 @@ def _tensor_parallel_share(shape: ModelShape | None, num_params: float, setup: T
     return shapes, float(sum(_numel(s) for s in shapes))
 
 
+def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: float, gradients: float,
+                 optimizer_temporaries: float) -> dict[str, float]:
+    """Bytes alive at each moment of a training step that can hold its peak, beyond the weights, the
+    optimizer states and the KV cache (which are alive all through), per GPU.
+
+    Backward makes the gradients from the LM head down to the embedding while it frees the
+    activations from the top layer down, and `zero_grad(set_to_none=True)` frees the gradients after
+    the optimizer step. So the candidates are:
+    - the end of forward and the start of backward (`ActivationTerms`' phases): no gradient yet, or
+      all of them from the second micro-batch on when `grad_accumulation` > 1;
+    - the backward of the top layer (or segment), with the LM head's and final norm's gradients;
+    - the backward of the bottom one, where the units above have freed what they saved and made their
+      gradients. Per unit both change by fixed amounts, so the most in between lies at one of the two;
+    - the embedding's backward, last: every gradient, and the embedding's new one on top while it is
+      added to the gradient already there (with tied embeddings the LM head's share waits in autograd's
+      buffer until then, and the sum of the two is a third table);
+    - the optimizer step: every gradient, and the step's temporaries.
+    `trainable` is the trainable parameters on this GPU, `gradients` their gradients' bytes. A layer's
+    own gradients while its backward runs, and per-tensor temporaries, are not counted.
+    """
+    moments = {"optimizer step": gradients + optimizer_temporaries}
+    if shape is None or not setup.seq_len:
+        return moments
+    terms = activation_terms(shape, setup)
+    units = terms.segments or shape.num_layers
+    unit = "segment" if terms.segments else "layer"
+    accumulating = setup.grad_accumulation > 1
+    per_param = gradients / trainable if trainable else 0.0
+    full = not setup.lora_rank
+    table = shape.vocab_size * shape.hidden_size / setup.tp_degree * per_param if full else 0.0
+    # the embedding's gradient, while it is added: its own table, plus, when tied, the LM head's and the sum
+    moments["backward of the embedding"] = gradients + (
+        (2 + accumulating) * table if shape.tie_embeddings else accumulating * table)
+    if accumulating or get_optimizer(setup.optimizer).fused_update:
+        before, top, per_unit = gradients, gradients, 0.0  # alive all through backward
+    else:
+        # the LM head's weight (the embedding's, when tied) and the final norm get theirs first
+        head = table + (shape.hidden_size * per_param if full else 0.0)
+        embedding = 0.0 if shape.tie_embeddings else table
+        before, top = 0.0, head
+        per_unit = (gradients - head - embedding) / units
+    unit_saves = terms.input if terms.segments else terms.layer
+    moments["end of forward"] = terms.end_of_forward + before
+    moments["start of backward"] = terms.start_of_backward + before
+    moments[f"backward of the top {unit}"] = terms.backward_of_layers + top
+    moments[f"backward of the bottom {unit}"] = (terms.backward_of_layers - (units - 1) * unit_saves + top
+                                                 + (units - 1) * per_unit)
+    return moments
+
+
 def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate:
     """Memory per GPU for training `model` (a `ModelShape`, or a parameter count) as `setup` says."""
     setup = setup or TrainingSetup()
@@ -488,6 +556,8 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
         param_bytes /= n
     if setup.zero_stage and n == 1:
         notes.append("ZeRO with one GPU shards nothing")
+    # the optimizer step's temporaries come from the states of the parameters this GPU updates
+    temporaries = opt.step_temporaries * held * prec.state_bytes / (n if setup.zero_stage >= 1 else 1)
 
     acts = activation_bytes(shape, setup) if shape and setup.seq_len else 0.0
     backward_extra = max(0.0, activation_terms(shape, setup).peak - acts) if shape and setup.seq_len else 0.0
@@ -500,6 +570,8 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
                      f"keeps the gathered block inputs: +{extra / 1e9:.3f} GB")
     if not setup.seq_len:
         notes.append("activations not counted (no sequence length given)")
+    moments = step_moments(shape, setup, held, grad_bytes, temporaries)
+    moment = max(moments, key=moments.__getitem__)
     return MemoryEstimate(
         parameters=round(param_bytes),
         gradients=round(grad_bytes),
@@ -508,5 +580,7 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
         kv_cache=round(kv),
         trainable_params=int(trainable),
         backward_extra=round(backward_extra),
+        peak=round(param_bytes + opt_bytes + kv + moments[moment]),
+        peak_moment=moment,
         notes=tuple(notes),
     )

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (GPUs per layer)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp above 1)")
     p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (needs --model)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (gradients then live through backward)")
     p.add_argument("--seq", type=int, default=0, help="sequence length for activations (needs --model)")
     p.add_argument("--attention", default="sdpa", help="sdpa or eager")
     p.add_argument("--padded", action="store_true", help="batches padded with an attention mask")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--params must be a parameter count from 1 to below 1e16, got {args.params:g}")
         setup = TrainingSetup(
             precision=args.dtype, optimizer=args.optimizer, zero_stage=args.zero, world_size=args.gpus,
-            batch_size=args.batch, seq_len=args.seq, attention=args.attention, padding_mask=args.padded,
+            batch_size=args.batch, grad_accumulation=args.grad_accum, seq_len=args.seq, attention=args.attention,
+            padding_mask=args.padded,
             checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
             lora_rank=args.lora_rank, lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
             quantization=args.quant, double_quant=not args.no_double_quant, kv_cache_len=args.kv_context,

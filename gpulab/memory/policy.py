@@ -55,6 +55,10 @@ class Optimizer:
     factored: bool = False  # second moment factored into row and column statistics (Adafactor)
     step_counter: bool = False  # torch keeps a 4-byte fp32 `step` tensor per parameter tensor
     fused_update: bool = False  # the update runs inside backward, so gradients are not all kept (LOMO)
+    # state-sized tensors the step allocates for all parameters at once: PyTorch's multi-tensor
+    # (`foreach`) AdamW, its default on CUDA, takes the square root of every second moment into a new
+    # list before it divides; a fused kernel or a per-tensor loop allocates none or one tensor's worth
+    step_temporaries: float = 0.0
 
 
 OPTIMIZERS: dict[str, Optimizer] = {
@@ -62,7 +66,10 @@ OPTIMIZERS: dict[str, Optimizer] = {
     for o in [
         Optimizer("sgd", 0, "plain SGD: no state"),
         Optimizer("sgd-momentum", 1, "SGD with momentum: one buffer"),
-        Optimizer("adamw", 2, "AdamW: first and second moments", step_counter=True),
+        Optimizer("adamw", 2, "AdamW: first and second moments, updated by a fused kernel (fused=True, "
+                  "Trainer's default, DeepSpeed's and Megatron's Adam)", step_counter=True),
+        Optimizer("adamw-foreach", 2, "AdamW as torch.optim.AdamW runs it on CUDA by default (foreach): its "
+                  "step adds one state-sized temporary per parameter", step_counter=True, step_temporaries=1.0),
         Optimizer("adamw-8bit", 2, "bitsandbytes AdamW8bit: two block-wise 8-bit moments", quantized=True),
         Optimizer("lion", 1, "Lion: momentum only"),
         Optimizer("adafactor", 0, "Adafactor: factored second moment, no momentum", factored=True, step_counter=True),
@@ -82,7 +89,8 @@ def _canonical(name: str) -> str:
 
 
 _OPTIMIZER_ALIASES = {"adamw8bit": "adamw-8bit", "adam8bit": "adamw-8bit", "sgdm": "sgd-momentum",
-                      "momentum": "sgd-momentum", "adam": "adamw", "sgd+momentum": "sgd-momentum"}
+                      "momentum": "sgd-momentum", "adam": "adamw", "sgd+momentum": "sgd-momentum",
+                      "adamw-fused": "adamw", "adamw-torch-fused": "adamw", "adamw-torch": "adamw-foreach"}
 
 
 def get_precision(name: str) -> Precision:
