@@ -149,6 +149,8 @@ def form_html(srcdir: str) -> str:
             _row("checkpoint_every", "Layers per segment", _number("checkpoint_every", d.checkpoint_every, 1),
                  "with checkpointing; 1: every layer"),
             _row("padding_mask", "Padded batches", _checkbox("padding_mask", d.padding_mask)),
+            *([_row("loss_chunk_tokens", "Loss chunk", _number("loss_chunk_tokens", d.loss_chunk_tokens, 0),
+                    "tokens per cross-entropy chunk; 0: all at once")] if hasattr(d, "loss_chunk_tokens") else []),
         ],
         "Fine-tuning": [
             _row("lora_rank", "LoRA rank", _number("lora_rank", d.lora_rank, 0), "0: full fine-tuning"),

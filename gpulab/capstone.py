@@ -36,11 +36,13 @@ CHAT_TEMPLATE = (
     "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 
 
-def rung_setups(batch: int, seq: int, lora_rank: int = 16, padded: bool = False) -> dict[str, TrainingSetup]:
+def rung_setups(batch: int, seq: int, lora_rank: int = 16, padded: bool = False,
+                chunk_tokens: int = 1024) -> dict[str, TrainingSetup]:
     """The calculator's setup for each rung of the ladder that changes the bytes of one micro-batch.
 
     Full fine-tuning rungs keep fp32 weights (`Trainer(bf16=True)` is autocast: "bf16-autocast");
-    LoRA and QLoRA freeze a bf16 base. "+ chunked CE" has QLoRA's setup: `predicted_bytes` shrinks its head.
+    LoRA and QLoRA freeze a bf16 base; "+ chunked CE" is QLoRA with the loss in chunks of
+    `chunk_tokens`. The optimizer "adamw" is a fused AdamW, the Trainer's default (`adamw_torch_fused`).
     """
     micro = TrainingSetup(batch_size=batch, seq_len=seq, padding_mask=padded)
     bf16 = replace(micro, precision="bf16-autocast")
@@ -49,20 +51,20 @@ def rung_setups(batch: int, seq: int, lora_rank: int = 16, padded: bool = False)
     return {"fp32": replace(micro, precision="fp32"), "bf16 mixed": bf16,
             "+ checkpointing": replace(bf16, checkpointing=True),
             "+ 8-bit AdamW": replace(bf16, checkpointing=True, optimizer="adamw-8bit"),
-            "LoRA": lora, "QLoRA": qlora, "+ chunked CE": qlora}
+            "LoRA": lora, "QLoRA": qlora, "+ chunked CE": replace(qlora, loss_chunk_tokens=chunk_tokens)}
 
 
-def predicted_bytes(shape: ModelShape, setup: TrainingSetup, chunk_tokens: int = 0) -> int:
-    """The calculator's total, plus `prepare_model_for_kbit_training`'s fp32 upcast (over a 16-bit
-    base) when the base is quantized, and with one chunk's fp32 log-softmax over the vocabulary
-    instead of every token's when `chunk_tokens` is set (the chunked cross-entropy)."""
-    total = estimate(shape, setup).total
+def predicted_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
+    """The calculator's peak, plus what `prepare_model_for_kbit_training` adds when the base is
+    quantized: its fp32 upcast of the embeddings, norms and LM head (over a 16-bit base), and, with the
+    loss over all tokens at once, the 16-bit copy of the upcast LM head that autocast
+    (`Trainer(bf16=True)`) saves for backward, alive at the start of backward where such a step peaks."""
+    peak = estimate(shape, setup).peak
     if setup.quantization:
-        total += kbit_upcast_bytes(shape, 2)
-    if chunk_tokens:
-        tokens = setup.batch_size * setup.seq_len
-        total -= (tokens - min(chunk_tokens, tokens)) * shape.vocab_size * 4
-    return total
+        peak += kbit_upcast_bytes(shape, 2)
+        if not setup.loss_chunk_tokens:
+            peak += shape.vocab_size * shape.hidden_size * 2
+    return peak
 
 
 def chat_tokenizer(examples: Sequence[Example], vocab_size: int = 512) -> PreTrainedTokenizerBase:

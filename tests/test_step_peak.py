@@ -14,6 +14,7 @@ import torch
 
 from gpulab.checkpointing import checkpoint_in_segments
 from gpulab.live_bytes import LiveBytes
+from gpulab.losses import chunked_lm_loss
 from gpulab.memory import ModelShape, TrainingSetup, estimate, measure
 from gpulab.models import build_model
 
@@ -40,7 +41,12 @@ def measured_step_peak(shape, setup):
         for ids in batches:
             if tracker is not None:
                 tracker.phase = "forward and backward"
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            if setup.loss_chunk_tokens:
+                hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+                chunked_lm_loss(hidden, model.lm_head.weight, ids, chunk_tokens=setup.loss_chunk_tokens).backward()
+                del hidden
+            else:
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         if tracker is not None:
             tracker.phase = "optimizer step"
         optimizer.step()
@@ -73,6 +79,18 @@ def test_peak_in_16_bits_and_with_segments_of_two():
         est = estimate(shape, setup)
         measured, _ = measured_step_peak(shape, setup)
         assert est.peak <= measured <= 1.01 * est.peak
+
+
+@pytest.mark.parametrize("shape", [WIDE, TIED], ids=["wide-vocab", "tied"])
+@pytest.mark.parametrize("chunk, accumulation", [(64, 1), (32, 1), (256, 1), (64, 2)])
+def test_peak_with_a_chunked_loss(shape, chunk, accumulation):
+    # the chunked cross-entropy of chapter 8 and the capstone: one chunk's logits at a time
+    setup = TrainingSetup(precision="fp32", batch_size=2, seq_len=64, loss_chunk_tokens=chunk,
+                          grad_accumulation=accumulation)
+    est = estimate(shape, setup)
+    measured, phase = measured_step_peak(shape, setup)
+    assert est.peak <= measured <= 1.01 * est.peak, (est.peak_moment, phase)
+    assert est.activations < estimate(shape, dataclasses.replace(setup, loss_chunk_tokens=0)).activations
 
 
 def test_the_sum_of_the_parts_misses_the_peak_both_ways():

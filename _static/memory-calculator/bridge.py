@@ -25,7 +25,7 @@ CLI_FLAGS = {
     "checkpointing": "--checkpointing", "checkpoint_every": "--checkpoint-every", "lora_rank": "--lora-rank",
     "quantization": "--quant", "double_quant": "--no-double-quant", "kv_cache_len": "--kv-context",
     "kv_cache_batch": "--kv-batch", "tp_degree": "--tp", "sequence_parallel": "--sp",
-    "grad_accumulation": "--grad-accum",
+    "grad_accumulation": "--grad-accum", "loss_chunk_tokens": "--loss-chunk",
 }
 
 

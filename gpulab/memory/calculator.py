@@ -59,6 +59,9 @@ class TrainingSetup:
     kv_cache_batch: int = 1
     tp_degree: int = 1  # tensor-parallel GPUs per layer; world_size is then the data-parallel size
     sequence_parallel: bool = False  # with tp_degree > 1: norms and residual stream sharded on the sequence
+    # cross-entropy over chunks of this many tokens, each under a checkpoint (`gpulab.losses.chunked_lm_loss`):
+    # forward keeps no log-softmax over the vocabulary, backward rebuilds one chunk's at a time; 0: whole
+    loss_chunk_tokens: int = 0
     # micro-batches per optimizer step: from the second one on, backward starts with every gradient
     # alive (without accumulation `zero_grad(set_to_none=True)` leaves none when forward runs)
     grad_accumulation: int = 1
@@ -72,7 +75,7 @@ class TrainingSetup:
                      "grad_accumulation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("seq_len", "lora_rank", "kv_cache_len"):
+        for name in ("seq_len", "lora_rank", "kv_cache_len", "loss_chunk_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.attention not in ("sdpa", "eager"):
@@ -306,8 +309,11 @@ def activation_terms(shape: ModelShape, setup: TrainingSetup) -> ActivationTerms
     per_layer += shape.layer_linear_params() * prec.weight_copy_bytes / t
     shared = 2 * s * shape.head_dim * r  # RoPE's cos and sin, kept once for all layers
     # the head: the final norm, its output whole (the LM head reads the gathered sequence), the fp32
-    # log-softmax over the vocabulary, int64 ids and labels, the loss
-    head = tokens * (norm_inside() + norm_out(1) * seq_split + fp32 * shape.vocab_size + 2 * 8) + fp32
+    # log-softmax over the vocabulary (none with a chunked loss: each chunk's is rebuilt in backward),
+    # int64 ids and labels, the loss
+    chunk = min(setup.loss_chunk_tokens, tokens) if setup.loss_chunk_tokens else 0
+    log_softmax = 0 if chunk else fp32 * shape.vocab_size
+    head = tokens * (norm_inside() + norm_out(1) * seq_split + log_softmax + 2 * 8) + fp32
     if b == 1:
         head += 8  # the loss pads labels to s + 1 and shifts them: one row needs no copy, keeps s + 1
     head += shape.vocab_size * h * prec.weight_copy_bytes / t  # the LM head's weight copy
@@ -339,10 +345,17 @@ def activation_terms(shape: ModelShape, setup: TrainingSetup) -> ActivationTerms
         held, segments = shape.num_layers, 0
     return ActivationTerms(input=tokens * h * r / seq_split, layer=per_layer, head=head, shared=shared,
                            segments=segments, held=held, ids=tokens * 8,
-                           loss_gradients=2 * fp32 * tokens * shape.vocab_size,
-                           labels_copy=tokens * 8 + (8 if b == 1 else 0), layer_temporaries=temporaries,
+                           # chunked: one chunk's rebuilt log-softmax and its two gradients, and, from
+                           # the second chunk on, the hidden states' gradient that the chunks add up
+                           loss_gradients=(3 * chunk * fp32 * shape.vocab_size
+                                           + (tokens * h * r if chunk < tokens else 0) if chunk
+                                           else 2 * tokens * fp32 * shape.vocab_size),
+                           # chunked, the checkpoints keep the labels to the end of backward
+                           labels_copy=0 if chunk else tokens * 8 + (8 if b == 1 else 0),
+                           layer_temporaries=temporaries,
                            checkpoint_args=checkpoint_args, autocast_cache=cache,
-                           logits=tokens * shape.vocab_size * (a + (fp32 if a < fp32 else 0)))
+                           logits=(chunk or tokens) * shape.vocab_size * (a + (fp32 if a < fp32 else 0))
+                           + chunk * fp32 * shape.vocab_size)
 
 
 def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
@@ -492,6 +505,14 @@ def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: floa
     unit_saves = terms.input if terms.segments else terms.layer
     moments["end of forward"] = terms.end_of_forward + before
     moments["start of backward"] = terms.start_of_backward + before
+    tokens = setup.batch_size * setup.seq_len
+    if full and 0 < setup.loss_chunk_tokens < tokens:
+        # a chunked loss runs the LM head once per chunk, so its weight's gradient is summed in
+        # backward: from the second chunk on, the sum so far is alive with the chunk's logits, and
+        # when the chunk's share is added, the sum so far, the share and their sum are (not the logits)
+        moments["start of backward"] += table
+        logits = 3 * setup.loss_chunk_tokens * shape.vocab_size * 4
+        moments["summing the LM head's gradient"] = terms.start_of_backward - logits + 3 * table + before
     moments[f"backward of the top {unit}"] = terms.backward_of_layers + top
     moments[f"backward of the bottom {unit}"] = (terms.backward_of_layers - (units - 1) * unit_saves + top
                                                  + (units - 1) * per_unit)

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (gradients then live through backward)")
     p.add_argument("--seq", type=int, default=0, help="sequence length for activations (needs --model)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="cross-entropy in checkpointed chunks of this many tokens (0: all at once)")
     p.add_argument("--attention", default="sdpa", help="sdpa or eager")
     p.add_argument("--padded", action="store_true", help="batches padded with an attention mask")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = TrainingSetup(
             precision=args.dtype, optimizer=args.optimizer, zero_stage=args.zero, world_size=args.gpus,
             batch_size=args.batch, grad_accumulation=args.grad_accum, seq_len=args.seq, attention=args.attention,
-            padding_mask=args.padded,
+            padding_mask=args.padded, loss_chunk_tokens=args.loss_chunk,
             checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
             lora_rank=args.lora_rank, lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
             quantization=args.quant, double_quant=not args.no_double_quant, kv_cache_len=args.kv_context,
