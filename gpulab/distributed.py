@@ -1,11 +1,16 @@
-"""The start of every program in labs/scripts/: the process group on the right backend and device, and
-rank-tagged output lines that `gpulab.launch.torchrun` groups by rank."""
+"""The start and the end of every program in labs/scripts/: the process group on the right backend and
+device, rank-tagged output lines that `gpulab.launch.torchrun` groups by rank, every rank's result
+gathered, and rank 0's JSON for the lab to read."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 import torch
 import torch.distributed as dist
@@ -43,3 +48,19 @@ def init(threads: int | None = 1) -> Rank:
     if threads is not None:
         torch.set_num_threads(threads)
     return Rank(dist.get_rank(), dist.get_world_size(), device, backend)
+
+
+def gather(obj: T) -> list[T]:
+    """Every rank's `obj` (anything picklable), in rank order, on every rank."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def finish(results: dict[str, Any], out: str | None) -> None:
+    """Rank 0 writes `results` as JSON to `out` (when given) for the lab to read; every rank then leaves
+    the process group."""
+    if dist.get_rank() == 0 and out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()

@@ -68,7 +68,7 @@ def _command(model_args: list[str], setup: dict[str, object]) -> str:
 
 
 def _row(part: str, value: int) -> dict[str, object]:
-    label = {"kv_cache": "KV cache", "backward_extra": "start of backward (loss gradients)"}.get(
+    label = {"kv_cache": "KV cache", "backward_extra": "loss gradients (start of backward)"}.get(
         part, part.replace("_", " "))
     return {"part": part, "label": label, "bytes": value, "bytes_text": f"{value:,}",
             "gb": f"{value / 1e9:.3f}", "gib": f"{value / 2**30:.3f}"}

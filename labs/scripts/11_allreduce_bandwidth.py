@@ -20,14 +20,13 @@ on two machines (run on each, node-rank 0 and 1; host is node 0's address):
 """
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from gpulab.distributed import init, say
+from gpulab.distributed import finish, init, say
 
 
 def main() -> None:
@@ -74,10 +73,7 @@ def main() -> None:
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     say(rank, f"{len(rows)} sizes from {args.min_bytes} to {rows[-1]['bytes']} bytes: "
               f"sums {'correct on every rank' if int(ok) else 'WRONG'}")
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump({"backend": backend, "world": world, "rows": rows, "correct": bool(int(ok))}, f, indent=1)
-    dist.destroy_process_group()
+    finish({"backend": backend, "world": world, "rows": rows, "correct": bool(int(ok))}, args.out)
     if not int(ok):
         raise SystemExit(1)
 

@@ -30,7 +30,6 @@ Rank 0 writes the measurements as JSON to --out; every rank prints `[rankN] ...`
 
 import argparse
 import contextlib
-import json
 import time
 
 import torch
@@ -42,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from gpulab.data import IGNORE_INDEX, load_task
-from gpulab.distributed import init, say
+from gpulab.distributed import finish, init, say
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
 
@@ -277,10 +276,7 @@ def main() -> None:
     say(rank, "under autocast: " + "; ".join(f"{how}: {v['calls']} all-reduces, {v['bytes']:,} bytes in {v['dtypes']}"
                                              for how, v in sent.items()))
 
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.destroy_process_group()
+    finish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpulab.data import load_task
-from gpulab.distributed import init, say
+from gpulab.distributed import finish, gather, init, say
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
 
@@ -304,15 +304,10 @@ def main() -> None:
         steps = args.bf16_steps if kind == "zero3_bf16" and device.type == "cpu" else args.steps
         r = run(kind, batches, steps, args.lr, device)
         r["seconds"] = time.perf_counter() - start
-        per_rank: list = [None] * world
-        dist.all_gather_object(per_rank, r)
-        results[kind] = per_rank
+        results[kind] = gather(r)
         say(rank, f"{kind:<14} params {r['param_bytes']:>10,} B  grads {r['grad_bytes']:>10,} B  "
                   f"optimizer {r['moment_bytes'] + r['step_bytes']:>10,} B")
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

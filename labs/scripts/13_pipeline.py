@@ -18,14 +18,13 @@ compares its own stage's gradients with them. Rank 0 writes all results to --out
 """
 
 import argparse
-import json
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpulab.distributed import init, say
+from gpulab.distributed import finish, gather, init, say
 
 
 def build_model(width: int, depth: int, seed: int) -> nn.Sequential:
@@ -254,11 +253,6 @@ def main() -> None:
                      "step_s": {}, "events": {}, "cuda_peak_bytes": {}, "library_step_s": {},
                      "one_process_step_s": {}, "library_schedules": []}
 
-    def gather(obj):
-        everyone = [None] * world
-        dist.all_gather_object(everyone, obj)
-        return everyone
-
     # 1. By hand: gradients, and the activations each stage holds.
     m = args.check_m
     for kind in ("gpipe", "1f1b"):
@@ -348,11 +342,8 @@ def main() -> None:
     say(rank, f"timed GPipe and 1F1B by hand, {len(schedules)} library schedules and one process, "
               f"for M in {args.sweep_m} ({args.repeats} steps each)")
 
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ memory calculator (`tp_degree=2`, ZeRO stage 3 over `world_size=2`).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 T0 = time.perf_counter()
@@ -25,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from gpulab.data import load_task  # noqa: E402
-from gpulab.distributed import init, say  # noqa: E402
+from gpulab.distributed import finish, gather, init, say  # noqa: E402
 from gpulab.models import build_model  # noqa: E402
 from gpulab.presets import PRESETS  # noqa: E402
 from gpulab.tensor_parallel import CollectiveCounter, held_bytes, local, parallelize_llama  # noqa: E402
@@ -110,16 +109,11 @@ def main() -> None:
     for name, sp in (("fsdp_tp", False), ("fsdp_tp_sp", True)):
         torch.manual_seed(0)
         r = run(sp, batches, me.device, args.lr)
-        per_rank: list = [None] * me.world
-        dist.all_gather_object(per_rank, r)
-        results[name] = per_rank
+        results[name] = gather(r)
         say(me.rank, f"{name:<11} mesh (dp, tp) = {tuple(r['mesh_coordinate'])}  params {r['param_bytes']:>9,} B  "
                      f"grads {r['grad_bytes']:>9,} B  optimizer {r['moment_bytes'] + r['step_bytes']:>9,} B")
     results["total_s"] = time.perf_counter() - T0
-    if me.rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ step times, and on GPUs the CUDA allocator's peak over the first step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -43,7 +42,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from gpulab.data import load_task  # noqa: E402
-from gpulab.distributed import init, say  # noqa: E402
+from gpulab.distributed import finish, gather, init, say  # noqa: E402
 from gpulab.models import build_model  # noqa: E402
 from gpulab.presets import PRESETS  # noqa: E402
 from gpulab.tensor_parallel import CollectiveCounter, held_bytes, local, parallelize_llama, record_saved  # noqa: E402
@@ -358,16 +357,11 @@ def main() -> None:
     for kind in args.variants.split(","):
         torch.manual_seed(0)
         r = run(kind, batches, me.device, ref)
-        per_rank: list = [None] * me.world
-        dist.all_gather_object(per_rank, r)
-        results[kind] = per_rank
+        results[kind] = gather(r)
         say(me.rank, f"{kind:<15} loss {r['losses'][0]:.4f}  saved {r['saved_bytes']:>11,} B  "
                      f"grad error {r['grad_error']:.1e}")
     results["total_s"] = time.perf_counter() - T0
-    if me.rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

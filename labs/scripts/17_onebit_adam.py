@@ -22,7 +22,6 @@ prints `[rankN] ...` lines.
 """
 
 import argparse
-import json
 import statistics
 import time
 
@@ -32,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpulab.data import load_task
-from gpulab.distributed import init, say
+from gpulab.distributed import finish, init, say
 from gpulab.models import build_model
 from gpulab.onebit_adam import (FlatLayout, OneBitAdam, WireCounter, onebit_allreduce_bytes, onebit_ddp_hook,
                                 powersgd_allreduce_bytes, ring_allreduce_bytes)
@@ -198,10 +197,7 @@ def main() -> None:
             say(me.rank, f"seed {seed} {name:11s}: bytes sent per step {statistics.median(warm) / 2**20:6.3f} MiB "
                          f"(warm-up), {statistics.median(late) / 2**20:6.3f} MiB (after)"
                 + (f"; held-out loss after {args.steps} steps {final:.3f}" if me.rank == 0 else ""))
-    if me.rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.destroy_process_group()
+    finish(result, args.out)
 
 
 if __name__ == "__main__":
