@@ -7,8 +7,9 @@ probability that layer i (1..L) runs at step t is
     p_i(t)   = 1 - (i / L) * (1 - theta(t))                         (over depth: deeper layers run less)
 
 `theta(t)` is DeepSpeed's `ProgressiveLayerDrop.update_state` (`"progressive_layer_drop": {"theta":
-theta_bar, "gamma": gamma}` in its config); the depth rule and the scaling below are the paper's and
-its reference BERT's (DeepSpeedExamples, `modelingpreln_layerdrop.py`). DeepSpeed computes theta(t)
+theta_bar, "gamma": gamma}` in its config); the depth rule and the scaling below are the paper's.
+DeepSpeedExamples' reference BERT (`modelingpreln_layerdrop.py`) draws layer j with 1 - (j - 1)s and
+divides by 1 - js, so its first layer always runs (chapter 16, exercise 3). DeepSpeed computes theta(t)
 only and hands it to the model's forward; the model decides which layers run.
 
 A skipped layer is the identity, x -> x: with pre-LN residual blocks the residual stream passes

@@ -178,7 +178,8 @@ class CollectiveCounter(TorchDispatchMode):
     """Count the collectives this rank launches, and their bytes, by kind and by `phase`.
 
     Bytes are the full (gathered) size: an all-gather's output, a reduce-scatter's input, an
-    all-reduce's buffer; in a ring each rank sends (n-1)/n of it. Set `phase` ("forward", "backward",
+    all-reduce's buffer. In a ring each rank sends (n-1)/n of an all-gather's or a reduce-scatter's,
+    and 2(n-1)/n of an all-reduce's (a reduce-scatter, then an all-gather). Set `phase` ("forward", "backward",
     anything) before each part of a step; a dispatch mode sees the collectives that autograd runs in
     backward too.
     """

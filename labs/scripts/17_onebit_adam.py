@@ -69,7 +69,7 @@ def count_collectives(counter: WireCounter) -> None:
 
 def bf16_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PyTorch's `bf16_compress_hook`, called under another name: DDP refuses to register the hook itself
-    unless the backend is NCCL (or XCCL), but gloo all-reduces bf16 as well."""
+    unless PyTorch is built with CUDA and NCCL 2.10+ (or XPU and XCCL), but gloo all-reduces bf16 as well."""
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
