@@ -125,3 +125,18 @@ def test_without_activations_the_peak_is_the_optimizer_step():
 def test_grad_accumulation_must_be_positive():
     with pytest.raises(ValueError, match="grad_accumulation"):
         TrainingSetup(grad_accumulation=0)
+
+
+def test_ddp_buckets_hold_a_copy_of_the_gradients():
+    # DDP (no ZeRO, several GPUs) copies every gradient into buckets that live through the step
+    one = estimate(WIDE, TrainingSetup(precision="fp32", batch_size=4, seq_len=64))
+    ddp = estimate(WIDE, TrainingSetup(precision="fp32", batch_size=4, seq_len=64, world_size=8))
+    zero2 = estimate(WIDE, TrainingSetup(precision="fp32", batch_size=4, seq_len=64, world_size=8, zero_stage=2))
+    assert ddp.peak == one.peak + one.gradients and any(n.startswith("DDP") for n in ddp.notes)
+    assert zero2.peak < ddp.peak and not any(n.startswith("DDP") for n in zero2.notes)
+
+
+def test_mixed_precision_names_the_fp32_gradient_copy_it_leaves_out():
+    est = estimate(8e9, TrainingSetup(precision="bf16"))
+    assert any("fp32" in n and "+32.000 GB" in n for n in est.notes)
+    assert not any("DeepSpeed" in n for n in estimate(8e9, TrainingSetup(precision="fp32")).notes)

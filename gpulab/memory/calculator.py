@@ -462,7 +462,7 @@ def _tensor_parallel_share(shape: ModelShape | None, num_params: float, setup: T
 
 
 def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: float, gradients: float,
-                 optimizer_temporaries: float) -> dict[str, float]:
+                 optimizer_temporaries: float, buckets: float = 0.0) -> dict[str, float]:
     """Bytes alive at each moment of a training step that can hold its peak, beyond the weights, the
     optimizer states and the KV cache (which are alive all through), per GPU.
 
@@ -478,9 +478,17 @@ def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: floa
       added to the gradient already there (with tied embeddings the LM head's share waits in autograd's
       buffer until then, and the sum of the two is a third table);
     - the optimizer step: every gradient, and the step's temporaries.
-    `trainable` is the trainable parameters on this GPU, `gradients` their gradients' bytes. A layer's
-    own gradients while its backward runs, and per-tensor temporaries, are not counted.
+    `trainable` is the trainable parameters on this GPU, `gradients` their gradients' bytes, `buckets`
+    what is alive at every moment besides (DDP's gradient buckets). A layer's own gradients while its
+    backward runs, per-tensor temporaries, and with accumulation an untied LM head's new gradient beside
+    its old one are not counted.
     """
+    moments = _step_moments(shape, setup, trainable, gradients, optimizer_temporaries)
+    return {moment: value + buckets for moment, value in moments.items()}
+
+
+def _step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: float, gradients: float,
+                  optimizer_temporaries: float) -> dict[str, float]:
     moments = {"optimizer step": gradients + optimizer_temporaries}
     if shape is None or not setup.seq_len:
         return moments
@@ -578,7 +586,17 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     if setup.zero_stage and n == 1:
         notes.append("ZeRO with one GPU shards nothing")
     # the optimizer step's temporaries come from the states of the parameters this GPU updates
-    temporaries = opt.step_temporaries * held * prec.state_bytes / (n if setup.zero_stage >= 1 else 1)
+    shard = n if setup.zero_stage >= 1 else 1
+    temporaries = opt.step_temporaries * held * prec.state_bytes / shard
+    if prec.master_bytes and not opt.fused_update:
+        notes.append(f"mixed precision: the optimizer step is counted for an update that reads the 16-bit "
+                     f"gradients; DeepSpeed and Megatron-LM first copy them (their shard) to fp32: "
+                     f"+{held * 4 / shard / 1e9:.3f} GB at the step")
+    # DDP copies every gradient into its buckets, which live through the whole step
+    # (gradient_as_bucket_view=False, its default; True makes the gradients views of them)
+    buckets = grad_bytes if n > 1 and setup.zero_stage == 0 else 0.0
+    if buckets:
+        notes.append("DDP: its buckets hold a copy of every gradient through the step (counted in the peak)")
 
     acts = activation_bytes(shape, setup) if shape and setup.seq_len else 0.0
     backward_extra = max(0.0, activation_terms(shape, setup).peak - acts) if shape and setup.seq_len else 0.0
@@ -591,7 +609,7 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
                      f"keeps the gathered block inputs: +{extra / 1e9:.3f} GB")
     if not setup.seq_len:
         notes.append("activations not counted (no sequence length given)")
-    moments = step_moments(shape, setup, held, grad_bytes, temporaries)
+    moments = step_moments(shape, setup, held, grad_bytes, temporaries, buckets)
     moment = max(moments, key=moments.__getitem__)
     return MemoryEstimate(
         parameters=round(param_bytes),

@@ -89,7 +89,7 @@ def _canonical(name: str) -> str:
 
 
 _OPTIMIZER_ALIASES = {"adamw8bit": "adamw-8bit", "adam8bit": "adamw-8bit", "sgdm": "sgd-momentum",
-                      "momentum": "sgd-momentum", "adam": "adamw", "sgd+momentum": "sgd-momentum",
+                      "momentum": "sgd-momentum", "adam": "adamw-foreach", "sgd+momentum": "sgd-momentum",
                       "adamw-fused": "adamw", "adamw-torch-fused": "adamw", "adamw-torch": "adamw-foreach"}
 
 

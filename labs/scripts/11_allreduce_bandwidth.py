@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=2**10)
     parser.add_argument("--max-bytes", type=int, default=2**26)
     parser.add_argument("--factor", type=int, default=4, help="size step between measurements")
-    parser.add_argument("--repeats", type=int, default=5, help="timed all-reduces per size (median)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed all-reduces per size (median): on shared cores five left small sizes at the scheduler's mercy")
     args = parser.parse_args()
 
     me = init()
