@@ -111,6 +111,16 @@ def test_accumulation_keeps_the_gradients_through_backward():
     assert two.total == one.total  # the parts are the same sizes
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_accumulation_with_an_untied_head_peaks_in_its_backward(precision):
+    # small micro-batches: the LM head's new gradient beside the one summed so far outweighs the loss
+    setup = TrainingSetup(precision=precision, optimizer="adamw", batch_size=1, seq_len=8, grad_accumulation=2)
+    est = estimate(WIDE, setup)
+    measured, _ = measured_step_peak(WIDE, setup)
+    assert est.peak_moment == "backward of the LM head"
+    assert est.peak <= measured <= 1.01 * est.peak
+
+
 def test_without_activations_the_peak_is_the_optimizer_step():
     # the ZeRO paper's 16 bytes per parameter are the parts; PyTorch's multi-tensor AdamW adds one
     # fp32 tensor per parameter in its step (the square roots of the second moments)

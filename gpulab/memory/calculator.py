@@ -477,11 +477,12 @@ def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: floa
     - the embedding's backward, last: every gradient, and the embedding's new one on top while it is
       added to the gradient already there (with tied embeddings the LM head's share waits in autograd's
       buffer until then, and the sum of the two is a third table);
+    - with accumulation and an untied LM head, the head's backward: every gradient, and its new one
+      while it is added to the old;
     - the optimizer step: every gradient, and the step's temporaries.
     `trainable` is the trainable parameters on this GPU, `gradients` their gradients' bytes, `buckets`
     what is alive at every moment besides (DDP's gradient buckets). A layer's own gradients while its
-    backward runs, per-tensor temporaries, and with accumulation an untied LM head's new gradient beside
-    its old one are not counted.
+    backward runs and per-tensor temporaries are not counted.
     """
     moments = _step_moments(shape, setup, trainable, gradients, optimizer_temporaries)
     return {moment: value + buckets for moment, value in moments.items()}
@@ -521,6 +522,14 @@ def _step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: flo
         moments["start of backward"] += table
         logits = 3 * setup.loss_chunk_tokens * shape.vocab_size * 4
         moments["summing the LM head's gradient"] = terms.start_of_backward - logits + 3 * table + before
+    elif full and accumulating and not shape.tie_embeddings:
+        # from the second micro-batch on, the LM head's new gradient is made beside the one summed so
+        # far; then the log-softmax is freed, and the logits' gradient (in the logits' dtype) and the
+        # hidden states' are alive
+        a = get_precision(setup.precision).act_bytes
+        moments["backward of the LM head"] = (terms.start_of_backward - terms.loss_gradients
+                                              - tokens * shape.vocab_size * (4 - a)
+                                              + tokens * shape.hidden_size * a + table + before)
     moments[f"backward of the top {unit}"] = terms.backward_of_layers + top
     moments[f"backward of the bottom {unit}"] = (terms.backward_of_layers - (units - 1) * unit_saves + top
                                                  + (units - 1) * per_unit)
