@@ -148,9 +148,11 @@ class StepProbe(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self._step == 0 and self.tracked:
             self.tracker = LiveBytes().__enter__()
+        _synchronize()
         self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        _synchronize()  # CUDA runs the step's kernels after the Python that queued them has returned
         elapsed = time.perf_counter() - self._t0
         self._step += 1
         if self.tracker is not None and self._step == self.tracked:
@@ -160,6 +162,27 @@ class StepProbe(TrainerCallback):
 
     def peak_bytes(self) -> int:
         return self.tracker.peak().bytes if self.tracker is not None else 0
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release_bitsandbytes_state() -> None:
+    """Forget what bitsandbytes' process-wide managers hold from earlier optimizers.
+
+    `transformers.Trainer` with a bitsandbytes 8-bit optimizer registers the embeddings with
+    `GlobalOptimManager` (to keep their states in 32 bits), and paged optimizers list their buffers
+    with `GlobalPageManager`. Both are singletons that only append: after `del trainer, model` they
+    still reference the old model's embeddings and state buffers, so a second Trainer in the same
+    process starts with the first one's memory still allocated. Call this after each run."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return
+    bnb.optim.GlobalOptimManager.get_instance().initialize()
+    bnb.functional.GlobalPageManager.get_instance().initialize()
 
 
 def lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -35,7 +35,9 @@ PRESETS: dict[str, Preset] = {
         Preset("small", ModelShape(32768, 768, 2048, 12, 12, 4), 16, 512, 200, 1e-3,
                "126M params: a GPU with 8 GB or more"),
         Preset("1b", KNOWN_SHAPES["llama3-1b"], 8, 1024, 100, 3e-4,
-               "Llama-3.2-1B shape (random init): a GPU with 24 GB or more"),
+               # fp32 AdamW on 8 x 1024 tokens peaks near 54 GB (the calculator); lab 5's whole batch of
+               # 16 sequences needs 93 GB, and labs 2 and 6 keep several models alive at once
+               "Llama-3.2-1B shape (random init): an 80 GB GPU, and more for labs 2, 5 and 6"),
     ]
 }
 

@@ -7,7 +7,7 @@ import torch
 from transformers import DataCollatorForSeq2Seq, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from gpulab.capstone import (CHECKPOINT_ENV, ChunkedLossTrainer, StepProbe, TokenCounter, chat_tokenizer,
-                             checkpoint_path, encode_chat, load_base)
+                             checkpoint_path, encode_chat, load_base, release_bitsandbytes_state)
 from gpulab.data import make_examples
 from gpulab.presets import PRESETS
 
@@ -90,3 +90,17 @@ def test_chunked_loss_trainer_matches_trainer_with_accumulation(tmp_path):
     scale = max(d.abs().max() for d in deltas[0])
     gap = max((a - b).abs().max() for a, b in zip(*deltas))
     assert gap / scale < 1e-4
+
+
+def test_release_bitsandbytes_state_drops_the_old_models():
+    # the Trainer registers each run's embeddings with bitsandbytes' process-wide manager; without a
+    # release the manager keeps every earlier run's embedding alive
+    import bitsandbytes as bnb
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    embedding = torch.nn.Embedding(16, 4)
+    manager.register_module_override(embedding, "weight", {"optim_bits": 32})
+    bnb.functional.GlobalPageManager.get_instance().paged_tensors.append(torch.zeros(1))
+    release_bitsandbytes_state()
+    assert manager.module_weight_config_triple == [] and manager.pid2config == {}
+    assert bnb.functional.GlobalPageManager.get_instance().paged_tensors == []

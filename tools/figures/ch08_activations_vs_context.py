@@ -4,8 +4,9 @@
 Both curves are `gpulab.memory.activation_bytes` for the published Llama-3 8B shape, batch 1, bf16
 mixed precision, no checkpointing. The shaded gap between them is what eager attention adds: the
 attention probabilities, heads x s^2 per layer, kept in fp32 and as a bf16 copy (6 bytes each). The
-horizontal line is the 80 GB budget of the chapter's exercise, with the longest multiple of 1,024
-tokens under it for each kind of attention. GB = 10^9 bytes.
+horizontal line is the 80 GB budget of the chapter's exercise; the dot on it marks, for each kind of
+attention, the longest sequence (in tokens, any whole number) whose activations stay under it, where
+the curve crosses the budget. GB = 10^9 bytes.
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ def activations_gb(seq_len: int, attention: str) -> float:
     return activation_bytes(SHAPE, TrainingSetup(precision="bf16", seq_len=seq_len, attention=attention)) / GB
 
 
-def longest_under(budget_gb: float, attention: str, step: int = 1024) -> int:
-    """The longest multiple of `step` tokens whose activations stay under the budget."""
-    s = step
-    while activations_gb(s + step, attention) < budget_gb:
-        s += step
-    return s
+def longest_under(budget_gb: float, attention: str) -> int:
+    """The longest sequence, in tokens, whose activations stay under the budget (bisection)."""
+    lo, hi = 1, 1
+    while activations_gb(hi, attention) < budget_gb:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if activations_gb(mid, attention) < budget_gb:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def draw() -> Figure:
@@ -47,10 +54,11 @@ def draw() -> Figure:
     ax.text(16384, BUDGET_GB - 5, f"{BUDGET_GB} GB budget", ha="right", va="top", fontsize=9, color="0.3")
     for attention, curve_color in (("eager", color), ("sdpa", color)):
         s = longest_under(BUDGET_GB, attention)
-        y = activations_gb(s, attention)
+        y = BUDGET_GB  # where the curve crosses the budget
         ax.plot([s], [y], "o", color=curve_color, markersize=5)
         if attention == "sdpa":
-            ax.annotate(f"{s:,} tokens", (s, y), xytext=(6, 16), textcoords="offset points", fontsize=9)
+            ax.annotate(f"{s:,} tokens", (s, y), xytext=(0, 12), textcoords="offset points", fontsize=9,
+                        ha="center")
         else:  # above the budget line, with a leader: the corner by the axis is crowded
             ax.annotate(f"{s:,} tokens", (s, y), xytext=(250, 125), textcoords="data", fontsize=9,
                         va="center", arrowprops={"arrowstyle": "-", "color": "0.3", "lw": 0.8})
