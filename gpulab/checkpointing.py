@@ -249,13 +249,13 @@ class PhaseEstimate:
     backward of the last segment, its k layers rebuilt, with the segment inputs and the gradients of
     its last layer's MLP backward (without checkpointing: the last layer's backward, with all layers'
     saved tensors). `end_of_forward`: what forward keeps, with autocast's weight cache. Each matches
-    live bytes to the byte in fp32 on a CPU (lab 6, tests). `old_sum`: what the calculator reported
-    before it counted phases, forward's keeps plus one segment, two things that never coexist.
+    live bytes to the byte in fp32 on a CPU (lab 6, tests). `naive_sum`: forward's keeps plus one
+    segment's recomputation, as if they coexisted (they never do): the sum a peak is not.
     """
 
     start_of_backward: float
     recomputed_segment: float
-    old_sum: float
+    naive_sum: float
     end_of_forward: float = 0.0
 
     @property

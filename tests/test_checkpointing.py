@@ -112,7 +112,7 @@ def test_live_bytes_of_a_step_and_the_phase_estimate(ids, every):
     setup = TrainingSetup(precision="fp32", batch_size=BATCH, seq_len=SEQ,
                           **({"checkpointing": True, "checkpoint_every": every} if every else {}))
     phases = estimate_phases(SHAPE, setup)
-    assert phases.old_sum == activation_terms(SHAPE, setup).saved
+    assert phases.naive_sum == activation_terms(SHAPE, setup).saved
     # the calculator's phases are the measured ones, to the byte, and its checkpointed figure is their max
     assert phases.start_of_backward == step.phases[START_OF_BACKWARD] and phases.recomputed_segment == layers
     assert phases.peak == max(phases.start_of_backward, phases.recomputed_segment, phases.end_of_forward)

@@ -149,7 +149,7 @@ def test_checkpointed_peak_matches_live_bytes(every, vocab, phase):
     start, layers = measured_phases(step)
     assert (start, layers) == (terms.start_of_backward, terms.backward_of_layers)  # each phase, to the byte
     assert step.peak.bytes == est.activations == terms.peak and terms.phase == phase
-    # the old sum (forward's keeps + one segment) is off by the head or the gradients, either way
+    # the naive sum (forward's keeps + one segment) is off by the head or the gradients, either way
     assert terms.saved != terms.peak
 
 
