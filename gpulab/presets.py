@@ -31,7 +31,7 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset("tiny", ModelShape(512, 256, 688, 4, 4, 2), 8, 64, 40, 3e-3,
-               "3.2M params: seconds per lab on a laptop CPU (CI)"),
+               "3.2M params: seconds per lab on a laptop CPU"),
         Preset("small", ModelShape(32768, 768, 2048, 12, 12, 4), 16, 512, 200, 1e-3,
                "126M params: a GPU with 8 GB or more"),
         Preset("1b", KNOWN_SHAPES["llama3-1b"], 8, 1024, 100, 3e-4,

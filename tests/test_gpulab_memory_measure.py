@@ -178,3 +178,16 @@ def test_autocast_peak_is_a_close_lower_bound(every):
     assert terms.backward_of_layers <= layers <= 1.10 * terms.backward_of_layers
     assert est.activations <= step.peak.bytes <= 1.10 * est.activations
     assert terms.phase == "end of forward" and step.peak.phase == "forward"
+
+
+def test_paged_state_bytes_counts_only_paged_tensors():
+    # bitsandbytes marks a tensor it placed in CUDA managed memory with `is_paged`; the allocator's
+    # peak does not see those, so a paged run adds them back
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    assert measure.paged_state_bytes(opt) == 0
+    moment = opt.state[model.weight]["exp_avg"]
+    moment.is_paged = True
+    assert measure.paged_state_bytes(opt) == moment.numel() * moment.element_size()

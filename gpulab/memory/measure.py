@@ -50,6 +50,13 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(_state_tensors(optimizer))
 
 
+def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state in CUDA managed memory (bitsandbytes' paged optimizers page
+    tensors of over 1e5 values). `torch.cuda.max_memory_allocated` does not count them: the CUDA
+    driver holds them outside PyTorch's allocator, so a paged run's allocator peak leaves them out."""
+    return tensor_bytes(t for t in _state_tensors(optimizer) if getattr(t, "is_paged", False))
+
+
 @dataclass
 class SavedTensors:
     """What autograd saved for backward during a forward pass (filled by `record_saved_tensors`)."""
