@@ -174,9 +174,11 @@ def release_bitsandbytes_state() -> None:
 
     `transformers.Trainer` with a bitsandbytes 8-bit optimizer registers the embeddings with
     `GlobalOptimManager` (to keep their states in 32 bits), and paged optimizers list their buffers
-    with `GlobalPageManager`. Both are singletons that only append: after `del trainer, model` they
-    still reference the old model's embeddings and state buffers, so a second Trainer in the same
-    process starts with the first one's memory still allocated. Call this after each run."""
+    with `GlobalPageManager`. Both are singletons that only append: after `del trainer, model` the
+    first still references the old model's embedding modules, whose weights stay allocated on the GPU,
+    so a second Trainer in the same process starts with them. Call this after each run. (The paged
+    buffers are CUDA managed memory, which bitsandbytes never frees; dropping the list only drops
+    their Python references.)"""
     try:
         import bitsandbytes as bnb
     except ImportError:
