@@ -53,6 +53,16 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def require_memory(need_bytes: float, device: torch.device, what: str, fraction: float = 0.9) -> None:
+    """Stop with a clear message when `what` needs more than `fraction` of the GPU's memory (by the
+    memory calculator), before CUDA fails mid-lab with a bare out-of-memory error. No-op on a CPU."""
+    have = device_memory_bytes(device)
+    if have is not None and need_bytes > fraction * have:
+        raise MemoryError(f"{what} needs about {need_bytes / 1e9:.0f} GB (the memory calculator), more than "
+                          f"{fraction:.0%} of this GPU's {have / 1e9:.0f} GB: choose a smaller preset, "
+                          f"e.g. GPULAB_PRESET=small")
+
+
 def banner(device: torch.device) -> str:
     """The lines every lab prints first: device, memory and the versions that matter."""
     lines = [f"device: {device.type} - {device_name(device)}"]

@@ -28,6 +28,14 @@ def test_banner_names_device_and_versions():
     assert text.startswith("device: cpu") and "torch " in text and "transformers " in text
 
 
+def test_require_memory_stops_before_cuda_does(monkeypatch):
+    env.require_memory(1e15, torch.device("cpu"), "anything")  # a CPU: nothing to check against
+    monkeypatch.setattr(env, "device_memory_bytes", lambda device: 80 * 10**9)
+    env.require_memory(70e9, torch.device("cpu"), "a step")  # under 90% of 80 GB
+    with pytest.raises(MemoryError, match="a step needs about 75 GB.*GPULAB_PRESET=small"):
+        env.require_memory(75e9, torch.device("cpu"), "a step")
+
+
 def test_seed_everything_repeats():
     env.seed_everything(3)
     a = torch.rand(3)
