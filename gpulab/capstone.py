@@ -25,6 +25,7 @@ from gpulab.losses import chunked_lm_loss
 from gpulab.memory.calculator import TrainingSetup, estimate
 from gpulab.memory.shapes import ModelShape
 from gpulab.models import build_model, load_pretrained
+from gpulab.timing import synchronize
 
 CHECKPOINT_ENV = "GPULAB_CHECKPOINT"
 
@@ -148,11 +149,11 @@ class StepProbe(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self._step == 0 and self.tracked:
             self.tracker = LiveBytes().__enter__()
-        _synchronize()
+        synchronize(args.device)
         self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        _synchronize()  # CUDA runs the step's kernels after the Python that queued them has returned
+        synchronize(args.device)  # CUDA runs the step's kernels after the Python that queued them returned
         elapsed = time.perf_counter() - self._t0
         self._step += 1
         if self.tracker is not None and self._step == self.tracked:
@@ -162,11 +163,6 @@ class StepProbe(TrainerCallback):
 
     def peak_bytes(self) -> int:
         return self.tracker.peak().bytes if self.tracker is not None else 0
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def release_bitsandbytes_state() -> None:
