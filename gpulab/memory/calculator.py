@@ -462,7 +462,8 @@ def _tensor_parallel_share(shape: ModelShape | None, num_params: float, setup: T
 
 
 def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: float, gradients: float,
-                 optimizer_temporaries: float, buckets: float = 0.0) -> dict[str, float]:
+                 optimizer_temporaries: float, buckets: float = 0.0,
+                 fsdp: FsdpWhole | None = None) -> dict[str, float]:
     """Bytes alive at each moment of a training step that can hold its peak, beyond the weights, the
     optimizer states and the KV cache (which are alive all through), per GPU.
 
@@ -481,15 +482,16 @@ def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: floa
       while it is added to the old;
     - the optimizer step: every gradient, and the step's temporaries.
     `trainable` is the trainable parameters on this GPU, `gradients` their gradients' bytes, `buckets`
-    what is alive at every moment besides (DDP's gradient buckets). A layer's own gradients while its
-    backward runs and per-tensor temporaries are not counted.
+    what is alive at every moment besides (DDP's gradient buckets), `fsdp` what ZeRO-3 holds whole
+    (`_fsdp_moments`). A layer's own gradients while its backward runs and per-tensor temporaries are
+    not counted, except under ZeRO-3, where FSDP2 keeps them whole until the layer's reduce-scatter.
     """
-    moments = _step_moments(shape, setup, trainable, gradients, optimizer_temporaries)
+    moments = _step_moments(shape, setup, trainable, gradients, optimizer_temporaries, fsdp)
     return {moment: value + buckets for moment, value in moments.items()}
 
 
 def _step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: float, gradients: float,
-                  optimizer_temporaries: float) -> dict[str, float]:
+                  optimizer_temporaries: float, fsdp: FsdpWhole | None = None) -> dict[str, float]:
     moments = {"optimizer step": gradients + optimizer_temporaries}
     if shape is None or not setup.seq_len:
         return moments
@@ -533,7 +535,81 @@ def _step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: flo
     moments[f"backward of the top {unit}"] = terms.backward_of_layers + top
     moments[f"backward of the bottom {unit}"] = (terms.backward_of_layers - (units - 1) * unit_saves + top
                                                  + (units - 1) * per_unit)
+    if fsdp is not None:
+        # what a unit's backward frees by its end: what it saved, and under checkpointing what it rebuilt
+        released = terms.input + terms.layer * shape.num_layers / units if terms.segments else terms.layer
+        _fsdp_moments(moments, fsdp, setup, unit, units, unit_saves, released, per_unit)
     return moments
+
+
+@dataclass(frozen=True)
+class FsdpWhole:
+    """What ZeRO-3 holds whole (unsharded) during a step, per GPU, in bytes: the root's parameters and
+    gradients, the LM head's gradient beyond its shard, and one layer's parameters and gradients."""
+
+    root: float
+    root_grads: float
+    head_grads: float
+    layer: float
+    layer_grads: float
+
+
+def fsdp_whole_bytes(shape: ModelShape, setup: TrainingSetup, unsharded_param_bytes: float,
+                     unsharded_grad_bytes: float, root_elem: float, root_grad_elem: float) -> FsdpWhole:
+    """The sizes `step_moments` needs for ZeRO-3 as PyTorch's FSDP2 runs it, with every decoder layer a
+    unit (`fully_shard(layer)`) and the root (`fully_shard(model)`) holding the embedding, the final
+    norm and the LM head. `unsharded_param_bytes` and `unsharded_grad_bytes` are the whole model's on
+    this GPU (its tensor-parallel share); `root_elem` and `root_grad_elem` the bytes per element of the
+    root's parameters and gradients (0 when they are frozen)."""
+    t, n = setup.tp_degree, setup.world_size
+    root_params = shape.embedding_params / t + shape.hidden_size
+    root, root_grads = root_params * root_elem, root_params * root_grad_elem
+    return FsdpWhole(
+        root=root, root_grads=root_grads,
+        # the LM head's gradient is whole from its backward on; the moments already count its shard
+        head_grads=shape.vocab_size * shape.hidden_size / t * root_grad_elem * (1 - 1 / n),
+        layer=(unsharded_param_bytes - root) / shape.num_layers,
+        layer_grads=(unsharded_grad_bytes - root_grads) / shape.num_layers,
+    )
+
+
+def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, setup: TrainingSetup, unit: str, units: int,
+                  unit_saves: float, released: float, per_unit: float) -> None:
+    """Add what FSDP2 holds whole to each moment, as the allocator's events in traces of its steps show:
+
+    - the root's parameters are gathered as forward starts and kept through backward (resharded after
+      forward when asked, they are gathered again as backward starts); its gradients stay whole until
+      its reduce-scatter, after the embedding's backward;
+    - a layer's parameters arrive in the all-gather's buffer and are copied into the layer's own.
+      In backward each layer, once its own are copied, gathers the next one down into that buffer
+      (`_backward_prefetch`): two layers' parameters all through a layer's backward (G each);
+    - a layer's whole gradients go into the reduce-scatter's input (R), which lives until the next
+      reduce-scatter starts: through the backward of the layer below, and of the embedding.
+    So the top layer holds 2G, every other layer 2G + R; the most is at the layer below the top (more
+    activations) or at the bottom (more gradient shards). A layer's own gradients while its backward
+    runs are not counted, as without ZeRO. Checkpointed segments are counted layer by layer.
+    """
+    G, R, n = fsdp.layer, fsdp.layer_grads, setup.world_size
+    for name in ("end of forward", "start of backward", "backward of the LM head"):
+        if name in moments:
+            moments[name] += fsdp.root
+    held = fsdp.root + fsdp.head_grads
+    if "summing the LM head's gradient" in moments:
+        moments["summing the LM head's gradient"] += held
+    def layer(before: float, above: float, gathered: float = 2 * G) -> float:
+        # as the layer's backward starts, or as it ends: what it saved freed, its gradients whole
+        return held + above + max(before + 2 * G, before - released + gathered + R)
+
+    top, bottom = moments[f"backward of the top {unit}"], moments[f"backward of the bottom {unit}"]
+    moments[f"backward of the top {unit}"] = layer(top, 0.0)
+    moments[f"backward of the bottom {unit}"] = layer(bottom, R, G)  # it prefetches nothing
+    if units >= 3:
+        moments[f"backward of the {unit} below the top"] = layer(top - unit_saves + per_unit, R)
+        moments[f"backward of the {unit} above the bottom"] = layer(bottom + unit_saves - per_unit, R)
+    # the embedding's backward beside the bottom layer's reduce-scatter input, then the root's own
+    # reduce-scatter with its parameters freed; the moment already counts the root gradients' shard
+    moments["backward of the embedding"] += (max(fsdp.root + fsdp.root_grads + R, 2 * fsdp.root_grads)
+                                             - fsdp.root_grads / n)
 
 
 def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate:
@@ -618,7 +694,17 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
                      f"keeps the gathered block inputs: +{extra / 1e9:.3f} GB")
     if not setup.seq_len:
         notes.append("activations not counted (no sequence length given)")
-    moments = step_moments(shape, setup, held, grad_bytes, temporaries, buckets)
+    fsdp = None
+    if setup.zero_stage == 3 and n > 1:
+        if shape is None or not setup.seq_len:
+            notes.append("ZeRO-3: the layers gathered during forward and backward are counted in the peak only "
+                         "with a model shape and a sequence length")
+        else:
+            root_elem, root_grad_elem = (frozen_elem, 0) if setup.lora_rank else (prec.weight_bytes, prec.grad_bytes)
+            fsdp = fsdp_whole_bytes(shape, setup, param_bytes * n, held * prec.grad_bytes, root_elem, root_grad_elem)
+            notes.append("ZeRO-3 as FSDP2 runs it: the peak counts the root's and two layers' whole parameters, "
+                         "and a layer's whole gradients in its reduce-scatter's input")
+    moments = step_moments(shape, setup, held, grad_bytes, temporaries, buckets, fsdp)
     moment = max(moments, key=moments.__getitem__)
     return MemoryEstimate(
         parameters=round(param_bytes),
