@@ -35,9 +35,6 @@ On two nodes (run on each, node-rank 0 and 1):
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 import time
 from collections import defaultdict
 
@@ -52,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpulab.data import load_task
 from gpulab.distributed import finish, gather, init, say
+from gpulab.fsdp_memory import cpu_allocated_bytes
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
 
@@ -140,22 +138,6 @@ def gathered_bytes(model: torch.nn.Module) -> int:
     return held_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
 
 
-def allocator_bytes(trace_path: str) -> tuple[int, int, int]:
-    """(bytes allocated when the profile started, at the "backward" mark, at the peak) from the CPU
-    allocator's [memory] events in a profiler trace (profile_memory=True). 'Total Allocated' is the
-    allocator's running total of bytes allocated while the profiler watched and not yet freed; it
-    sees every allocation, FSDP2's storage resizes included (tensor-level tracking such as
-    gpulab.live_bytes does not)."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-                 key=lambda e: e["ts"])
-    mark = min(e["ts"] for e in events if e.get("name") == "backward" and e.get("ph") == "X")
-    start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
-    boundary = [e["args"]["Total Allocated"] for e in mem if e["ts"] <= mark][-1]
-    return start, boundary, max(e["args"]["Total Allocated"] for e in mem)
-
-
 def step_memory(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> dict:
     """One forward and backward from the state at rest: bytes above rest at the forward/backward
     boundary and at the step's peak (CUDA: the caching allocator's counters; CPU: the profiler's
@@ -176,13 +158,8 @@ def step_memory(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: 
             gathered = gathered_bytes(model)
             with record_function("backward"):
                 loss.backward()
-        fd, path = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(path)
-            start, at_boundary, at_peak = allocator_bytes(path)
-        finally:
-            os.remove(path)
+        # FSDP2 gathers by resizing storages, which tensor-level tracking (gpulab.live_bytes) misses
+        start, at_peak, at_boundary = cpu_allocated_bytes(prof, mark="backward")
         boundary, peak = at_boundary - start, at_peak - start
     model.zero_grad(set_to_none=True)
     return {"boundary_bytes": boundary, "peak_bytes": peak, "gathered_bytes": gathered}
@@ -293,7 +270,8 @@ def main() -> None:
     task = load_task(seq_len=PRESETS["tiny"].seq_len)
     stream = task.batches(args.batch_size, seed=0)
     batches = [next(stream) for _ in range(args.steps)]
-    results: dict = {"world_size": world, "backend": backend, "steps": args.steps}
+    results: dict = {"world_size": world, "backend": backend, "steps": args.steps, "batch_size": args.batch_size,
+                     "seq_len": PRESETS["tiny"].seq_len}
     results["setup_seconds"] = time.perf_counter() - T0
     if rank == 0:
         results["reference"] = reference(batches, args.steps, args.lr, world, device)
