@@ -536,9 +536,7 @@ def _step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: flo
     moments[f"backward of the bottom {unit}"] = (terms.backward_of_layers - (units - 1) * unit_saves + top
                                                  + (units - 1) * per_unit)
     if fsdp is not None:
-        # what a unit's backward frees by its end: what it saved, and under checkpointing what it rebuilt
-        released = terms.input + terms.layer * shape.num_layers / units if terms.segments else terms.layer
-        _fsdp_moments(moments, fsdp, setup, unit, units, unit_saves, released, per_unit)
+        _fsdp_moments(moments, fsdp, shape, setup, unit, units, unit_saves, terms.layer, per_unit, gradients)
     return moments
 
 
@@ -549,6 +547,7 @@ class FsdpWhole:
 
     root: float
     root_grads: float
+    root_grad_elem: float
     head_grads: float
     layer: float
     layer_grads: float
@@ -565,7 +564,7 @@ def fsdp_whole_bytes(shape: ModelShape, setup: TrainingSetup, unsharded_param_by
     root_params = shape.embedding_params / t + shape.hidden_size
     root, root_grads = root_params * root_elem, root_params * root_grad_elem
     return FsdpWhole(
-        root=root, root_grads=root_grads,
+        root=root, root_grads=root_grads, root_grad_elem=root_grad_elem,
         # the LM head's gradient is whole from its backward on; the moments already count its shard
         head_grads=shape.vocab_size * shape.hidden_size / t * root_grad_elem * (1 - 1 / n),
         layer=(unsharded_param_bytes - root) / shape.num_layers,
@@ -573,43 +572,61 @@ def fsdp_whole_bytes(shape: ModelShape, setup: TrainingSetup, unsharded_param_by
     )
 
 
-def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, setup: TrainingSetup, unit: str, units: int,
-                  unit_saves: float, released: float, per_unit: float) -> None:
+def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape, setup: TrainingSetup,
+                  unit: str, units: int, unit_saves: float, layer_saves: float, per_unit: float,
+                  gradients: float) -> None:
     """Add what FSDP2 holds whole to each moment, as the allocator's events in traces of its steps show:
 
     - the root's parameters are gathered as forward starts and kept through backward (resharded after
       forward when asked, they are gathered again as backward starts); its gradients stay whole until
-      its reduce-scatter, after the embedding's backward;
-    - a layer's parameters arrive in the all-gather's buffer and are copied into the layer's own.
-      In backward each layer, once its own are copied, gathers the next one down into that buffer
-      (`_backward_prefetch`): two layers' parameters all through a layer's backward (G each);
-    - a layer's whole gradients go into the reduce-scatter's input (R), which lives until the next
-      reduce-scatter starts: through the backward of the layer below, and of the embedding.
-    So the top layer holds 2G, every other layer 2G + R; the most is at the layer below the top (more
-    activations) or at the bottom (more gradient shards). A layer's own gradients while its backward
-    runs are not counted, as without ZeRO. Checkpointed segments are counted layer by layer.
+      its reduce-scatter, after the embedding's backward: the LM head's from its backward on, with tied
+      embeddings the head's share, the embedding's and their sum;
+    - a layer's parameters arrive in the all-gather's buffer and are copied into the layer's own (G
+      each). Forward keeps the buffer until the next layer's copy, the top layer's until forward ends;
+      backward frees it after the copy. As backward starts, the root gathers the top layer; each layer,
+      once its own are copied, gathers the next one down (`_backward_prefetch`); the bottom layer
+      gathers nothing. A checkpointed segment's recomputation gathers all its k layers, and each stays
+      gathered until its own backward ends: (k + 1) G as it starts, k G after its top layer;
+    - a layer's gradients are whole (R) when its backward ends, when what it saved is freed (without
+      ZeRO the calculator leaves a layer's own gradients out; here they are a whole layer's); they go
+      into the reduce-scatter's input, as big, which lives until the next reduce-scatter starts:
+      through the backward of the layer below, and of the embedding.
+    Activations shrink and gradient shards grow from unit to unit, so the most is at the top or
+    bottom unit or at the ones next to them. Segments are counted as long as the first one (the
+    last may be shorter).
     """
     G, R, n = fsdp.layer, fsdp.layer_grads, setup.world_size
-    for name in ("end of forward", "start of backward", "backward of the LM head"):
-        if name in moments:
-            moments[name] += fsdp.root
-    held = fsdp.root + fsdp.head_grads
+    k = min(setup.checkpoint_every, shape.num_layers) if setup.checkpointing else 1  # layers per unit
+    accumulating = setup.grad_accumulation > 1
+    head = fsdp.head_grads  # the LM head's gradient whole, beyond the shard the moments count
+    chunked = 0 < setup.loss_chunk_tokens < setup.batch_size * setup.seq_len
+    moments["end of forward"] += fsdp.root + G
+    moments["start of backward"] += fsdp.root + G + (head if chunked else 0.0)
+    if "backward of the LM head" in moments:
+        moments["backward of the LM head"] += fsdp.root + G + head
     if "summing the LM head's gradient" in moments:
-        moments["summing the LM head's gradient"] += held
-    def layer(before: float, above: float, gathered: float = 2 * G) -> float:
-        # as the layer's backward starts, or as it ends: what it saved freed, its gradients whole
-        return held + above + max(before + 2 * G, before - released + gathered + R)
+        moments["summing the LM head's gradient"] += fsdp.root + G + 3 * head
+    held = fsdp.root + head
+
+    def layer(before: float, above: float, gathered_after: float) -> float:
+        # as the unit's backward starts (its layers gathered, and one more), or when its top layer's
+        # backward ends: what that layer saved or rebuilt freed, its gradients whole
+        return held + above + max(before + (k + 1) * G, before - layer_saves + gathered_after + R)
 
     top, bottom = moments[f"backward of the top {unit}"], moments[f"backward of the bottom {unit}"]
-    moments[f"backward of the top {unit}"] = layer(top, 0.0)
-    moments[f"backward of the bottom {unit}"] = layer(bottom, R, G)  # it prefetches nothing
+    moments[f"backward of the top {unit}"] = layer(top, 0.0, max(k, 2) * G)
+    moments[f"backward of the bottom {unit}"] = layer(bottom, R, k * G)  # it prefetches nothing
     if units >= 3:
-        moments[f"backward of the {unit} below the top"] = layer(top - unit_saves + per_unit, R)
-        moments[f"backward of the {unit} above the bottom"] = layer(bottom + unit_saves - per_unit, R)
-    # the embedding's backward beside the bottom layer's reduce-scatter input, then the root's own
-    # reduce-scatter with its parameters freed; the moment already counts the root gradients' shard
-    moments["backward of the embedding"] += (max(fsdp.root + fsdp.root_grads + R, 2 * fsdp.root_grads)
-                                             - fsdp.root_grads / n)
+        moments[f"backward of the {unit} below the top"] = layer(top - unit_saves + per_unit, R, max(k, 2) * G)
+        moments[f"backward of the {unit} above the bottom"] = layer(bottom + unit_saves - per_unit, R,
+                                                                    max(k, 2) * G)
+    # the embedding's backward: the root gathered, its gradients whole (and with tied embeddings the
+    # head's share and the embedding's beside their sum, with accumulation the new one beside the old),
+    # the bottom layer's reduce-scatter input; then the root's own reduce-scatter, its parameters freed
+    whole_table = shape.vocab_size * shape.hidden_size / setup.tp_degree * fsdp.root_grad_elem
+    tables = (2 + accumulating) if shape.tie_embeddings else accumulating
+    moments["backward of the embedding"] = gradients - fsdp.root_grads / n + max(
+        fsdp.root + R + fsdp.root_grads + tables * whole_table, 2 * fsdp.root_grads)
 
 
 def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate:
@@ -704,6 +721,14 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
             fsdp = fsdp_whole_bytes(shape, setup, param_bytes * n, held * prec.grad_bytes, root_elem, root_grad_elem)
             notes.append("ZeRO-3 as FSDP2 runs it: the peak counts the root's and two layers' whole parameters, "
                          "and a layer's whole gradients in its reduce-scatter's input")
+            if setup.checkpointing and setup.checkpoint_every > 1:
+                notes.append("ZeRO-3 with checkpointed segments of several layers: each segment's layers are "
+                             "counted gathered at once, but FSDP2 was measured holding up to 30% more than "
+                             "this peak on a CPU; checkpoint every layer for a figure that holds")
+            if setup.grad_accumulation > 1:
+                notes.append("ZeRO-3 with accumulation: counted as FSDP2's default, a reduce-scatter after every "
+                             "micro-batch; set_requires_gradient_sync(False) keeps every gradient whole between "
+                             f"them instead (+{held * prec.grad_bytes * (1 - 1 / n) / 1e9:.3f} GB)")
     moments = step_moments(shape, setup, held, grad_bytes, temporaries, buckets, fsdp)
     moment = max(moments, key=moments.__getitem__)
     return MemoryEstimate(
