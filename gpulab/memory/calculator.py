@@ -723,8 +723,9 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
                          "and a layer's whole gradients in its reduce-scatter's input")
             if setup.checkpointing and setup.checkpoint_every > 1:
                 notes.append("ZeRO-3 with checkpointed segments of several layers: each segment's layers are "
-                             "counted gathered at once, but FSDP2 was measured holding up to 30% more than "
-                             "this peak on a CPU; checkpoint every layer for a figure that holds")
+                             "counted gathered at once, but FSDP2 under gpulab's checkpoint_in_segments was "
+                             "measured holding up to 30% more than this peak on a CPU; transformers' "
+                             "per-layer checkpointing matches it")
             if setup.grad_accumulation > 1:
                 notes.append("ZeRO-3 with accumulation: counted as FSDP2's default, a reduce-scatter after every "
                              "micro-batch; set_requires_gradient_sync(False) keeps every gradient whole between "
