@@ -61,8 +61,9 @@ def fsdp_step_peak_bytes(shape: ModelShape, setup: TrainingSetup, device: torch.
     """Most bytes allocated above rest during one forward and backward of a Llama with `shape`,
     `fully_shard` per decoder layer and at the root, on rank 0 of `setup.world_size` (fake process
     group). At rest: the sharded parameters and AdamW's states, no gradients (`zero_grad(set_to_none=True)`).
-    `setup` gives the precision ("fp32" or "bf16-pure"), micro-batch, sequence length and checkpointing
-    (`checkpoint_every` layers a segment); the step is fused AdamW's, on unpadded batches, with SDPA."""
+    `setup` gives the precision ("fp32" or "bf16-pure"), micro-batch, sequence length and checkpointing:
+    `transformers`' own per layer for `checkpoint_every=1`, `gpulab.checkpointing.checkpoint_in_segments`
+    for more. The step is fused AdamW's, on unpadded batches, with SDPA."""
     if setup.precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)} (the parameters' dtype), got {setup.precision!r}")
     unmeasured = {name: getattr(setup, name) for name, default in UNMEASURED.items() if getattr(setup, name) != default}
