@@ -11,7 +11,6 @@ collectives move nothing (the values are meaningless; the bytes are not).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
@@ -25,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gpulab.checkpointing import checkpoint_in_segments, enable_transformers_checkpointing
 from gpulab.memory import ModelShape, TrainingSetup
 from gpulab.models import build_model
-from gpulab.profiling import quiet_stderr_fd
+from gpulab.profiling import load_trace, quiet_stderr_fd
 
 DTYPES = {"fp32": torch.float32, "bf16-pure": torch.bfloat16}
 # what the measured step does not do; a setup that asks for another value is refused
@@ -42,8 +41,7 @@ def cpu_allocated_bytes(prof: profile, mark: str | None = None) -> tuple[int, in
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+        events = load_trace(path)
     finally:
         os.remove(path)
     mem = sorted(((e["ts"], e["args"]) for e in events

@@ -543,12 +543,12 @@ def _step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: flo
 @dataclass(frozen=True)
 class FsdpWhole:
     """What ZeRO-3 holds whole (unsharded) during a step, per GPU, in bytes: the root's parameters and
-    gradients, the LM head's gradient beyond its shard, and one layer's parameters and gradients."""
+    gradients, the LM head's gradient (one vocabulary-by-hidden table), and one layer's parameters and
+    gradients."""
 
     root: float
     root_grads: float
-    root_grad_elem: float
-    head_grads: float
+    head_table: float
     layer: float
     layer_grads: float
 
@@ -560,13 +560,12 @@ def fsdp_whole_bytes(shape: ModelShape, setup: TrainingSetup, unsharded_param_by
     norm and the LM head. `unsharded_param_bytes` and `unsharded_grad_bytes` are the whole model's on
     this GPU (its tensor-parallel share); `root_elem` and `root_grad_elem` the bytes per element of the
     root's parameters and gradients (0 when they are frozen)."""
-    t, n = setup.tp_degree, setup.world_size
+    t = setup.tp_degree
     root_params = shape.embedding_params / t + shape.hidden_size
     root, root_grads = root_params * root_elem, root_params * root_grad_elem
     return FsdpWhole(
-        root=root, root_grads=root_grads, root_grad_elem=root_grad_elem,
-        # the LM head's gradient is whole from its backward on; the moments already count its shard
-        head_grads=shape.vocab_size * shape.hidden_size / t * root_grad_elem * (1 - 1 / n),
+        root=root, root_grads=root_grads,
+        head_table=shape.vocab_size * shape.hidden_size / t * root_grad_elem,
         layer=(unsharded_param_bytes - root) / shape.num_layers,
         layer_grads=(unsharded_grad_bytes - root_grads) / shape.num_layers,
     )
@@ -598,7 +597,8 @@ def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape,
     G, R, n = fsdp.layer, fsdp.layer_grads, setup.world_size
     k = min(setup.checkpoint_every, shape.num_layers) if setup.checkpointing else 1  # layers per unit
     accumulating = setup.grad_accumulation > 1
-    head = fsdp.head_grads  # the LM head's gradient whole, beyond the shard the moments count
+    # the LM head's gradient is whole from its backward on, beyond the shard the moments count
+    head = fsdp.head_table * (1 - 1 / n)
     chunked = 0 < setup.loss_chunk_tokens < setup.batch_size * setup.seq_len
     moments["end of forward"] += fsdp.root + G
     moments["start of backward"] += fsdp.root + G + (head if chunked else 0.0)
@@ -623,10 +623,9 @@ def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape,
     # the embedding's backward: the root gathered, its gradients whole (and with tied embeddings the
     # head's share and the embedding's beside their sum, with accumulation the new one beside the old),
     # the bottom layer's reduce-scatter input; then the root's own reduce-scatter, its parameters freed
-    whole_table = shape.vocab_size * shape.hidden_size / setup.tp_degree * fsdp.root_grad_elem
     tables = (2 + accumulating) if shape.tie_embeddings else accumulating
     moments["backward of the embedding"] = gradients - fsdp.root_grads / n + max(
-        fsdp.root + R + fsdp.root_grads + tables * whole_table, 2 * fsdp.root_grads)
+        fsdp.root + R + fsdp.root_grads + tables * fsdp.head_table, 2 * fsdp.root_grads)
 
 
 def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate:
