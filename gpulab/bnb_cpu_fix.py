@@ -89,7 +89,9 @@ def use_reference_cpu_dequantize() -> None:
     with warnings.catch_warnings():
         # torch's message starts "Warning only once for all operators" and names the override below
         warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        torch.library.register_kernel("bitsandbytes::dequantize_4bit", "cpu", _reference_kernel, lib=lib)
+        # allow_override: torch 2.11 (the GPU machine's) refuses by default to replace a kernel that
+        # was registered from Python, as bitsandbytes' CPU kernel is; torch 2.13 allows it by default
+        lib.impl("dequantize_4bit", _reference_kernel, "CPU", allow_override=True)
     _registration = lib
 
 
