@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gpulab.checkpointing import checkpoint_in_segments, enable_transformers_checkpointing
 from gpulab.memory import ModelShape, TrainingSetup
 from gpulab.models import build_model
-from gpulab.profiling import load_trace, quiet_stderr_fd
+from gpulab.profiling import load_trace, quiet_profile
 
 DTYPES = {"fp32": torch.float32, "bf16-pure": torch.bfloat16}
 # what the measured step does not do; a setup that asks for another value is refused
@@ -98,7 +98,7 @@ def fsdp_step_peak_bytes(shape: ModelShape, setup: TrainingSetup, device: torch.
             model(input_ids=ids, labels=ids).loss.backward()
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) - rest
-        with quiet_stderr_fd(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model(input_ids=ids, labels=ids).loss.backward()
         start, peak, _ = cpu_allocated_bytes(prof)
         return peak - start

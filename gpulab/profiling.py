@@ -12,6 +12,7 @@ import gzip
 import json
 import os
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -49,6 +50,18 @@ def quiet_stderr_fd() -> Iterator[None]:
         os.close(devnull)
 
 
+@contextmanager
+def quiet_profile(**kwargs: Any) -> Iterator[profile]:
+    """`torch.profiler.profile(**kwargs)` without its console noise: the C++ library's lines on file
+    descriptor 2 (`quiet_stderr_fd`), and torch 2.11's UserWarning that the profiler "clears events at the
+    end of each cycle", which it gives once per process even for a single `with profile()` (torch 2.13
+    does not). Other warnings raised in the block still show."""
+    with quiet_stderr_fd(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        with profile(**kwargs) as prof:
+            yield prof
+
+
 def _is_op(name: str) -> bool:
     if "cpp_fused" in name:  # a kernel torch.compile generated (with inductor's cpp.enable_kernel_profile)
         return True
@@ -72,7 +85,7 @@ def kernels(fn: Callable[[], object], device: torch.device | str) -> list[str]:
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     synchronize(device)
-    with quiet_stderr_fd(), profile(activities=activities) as prof:
+    with quiet_profile(activities=activities) as prof:
         fn()
         synchronize(device)
     events = prof.events()
