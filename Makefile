@@ -12,7 +12,7 @@ LABS   ?= $(wildcard labs/[0-9]*.ipynb)
 help:
 	@echo "make book     build the HTML book into _build/html (offline: math served locally)"
 	@echo "make test     every test: gpulab units, structure, book build, browser, all labs under nbval"
-	@echo "make test-gpu-image  unit tests and all labs again with the GPU machine's transformers, peft, triton"
+	@echo "make test-gpu-image  unit tests and all labs again with the GPU machine's torch, transformers, peft, triton"
 	@echo "make lab      open JupyterLab on the labs"
 	@echo "make refresh  re-execute labs in place to refresh stored outputs (LABS=labs/01-....ipynb for one)"
 
@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # --- a second environment with the lent GPU machine's library versions (constraints-gpu-image.txt
-# replaces those lines of constraints.txt); torch stays the CPU build of constraints.txt
+# replaces those lines of constraints.txt), torch 2.11 included: PyPI's CUDA build, about 4.5 GB, which
+# runs on the CPU here
 GPU_VENV  ?= .venv-gpu-image
 GPU_STAMP := $(GPU_VENV)/.installed
 
