@@ -53,6 +53,36 @@ def test_nvcc_compiles_the_host_code_against_torch_headers(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+def cuda_toolkit_home() -> Path | None:
+    """The CUDA toolkit to link against: $CUDA_HOME, else nvcc's own folder (a `/usr/local/bin/nvcc` that
+    wraps `/usr/local/cuda-13.0/bin/nvcc` would make torch look for libcudart in /usr/local)."""
+    candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.insert(1, str(Path(nvcc).resolve().parent.parent))
+    for home in filter(None, candidates):
+        if (Path(home) / "bin" / "nvcc").exists() and any(Path(home).glob("lib*/libcudart.so*")):
+            return Path(home)
+    return None
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU build of torch: no CUDA libraries to link against")
+@pytest.mark.skipif(cuda_toolkit_home() is None, reason="no CUDA toolkit (nvcc and libcudart) found")
+def test_cuda_extension_builds_links_and_loads_against_this_torch(tmp_path, monkeypatch):
+    # What lab 4's load_cuda does on the GPU machine, up to the first launch: with the gpu-image
+    # environment's torch (2.11, CUDA 13.0 build) a compile or link error shows here, not on the GPU.
+    import torch.utils.cpp_extension as cpp_extension
+
+    from gpulab.kernels.build import build_cuda
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(cuda_toolkit_home()))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # H100 and H200: one architecture keeps it short
+    build_cuda()
+    with pytest.raises(RuntimeError, match="gate must be a CUDA tensor"):  # the refusal raises, no crash
+        torch.ops.gpulab_cuda.swiglu_forward(torch.ones(2, 8), torch.ones(2, 8))
+
+
 def test_cuda_operator_registration_compiles():
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:

@@ -66,6 +66,15 @@ def load_cuda(verbose: bool = False) -> SwiGLUKernels:
     if not torch.cuda.is_available():
         raise RuntimeError("the CUDA kernel needs a CUDA GPU and a CUDA build of torch "
                            f"(this is torch {torch.__version__}); on a CPU, check it with check_cuda_sources()")
+    build_cuda(verbose)
+    ops = torch.ops.gpulab_cuda
+    return SwiGLUKernels("CUDA C++", ops.swiglu_forward, ops.swiglu_backward)
+
+
+def build_cuda(verbose: bool = False) -> None:
+    """Compile and link the CUDA extension with nvcc against this torch, and load it: no GPU is needed
+    for that, only a CUDA build of torch (tests build it so, for the architectures in
+    TORCH_CUDA_ARCH_LIST). Its operators are then torch.ops.gpulab_cuda.*."""
     from torch.utils.cpp_extension import CUDA_HOME, load_inline
 
     if CUDA_HOME is None:
@@ -75,8 +84,6 @@ def load_cuda(verbose: bool = False) -> SwiGLUKernels:
         name="gpulab_swiglu_cuda", cpp_sources=[source("swiglu_cuda_ops.cpp")],
         cuda_sources=[source("swiglu_cuda.cu")], extra_include_paths=[str(KERNEL_DIR)],
         extra_cuda_cflags=["-O3"], is_python_module=False, no_implicit_headers=True, verbose=verbose)
-    ops = torch.ops.gpulab_cuda
-    return SwiGLUKernels("CUDA C++", ops.swiglu_forward, ops.swiglu_backward)
 
 
 def cuda_kernel_names() -> list[str]:
