@@ -159,6 +159,27 @@ def test_fuse_swiglu_refuses_models_without_a_silu_mlp(cpu_kernels):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton has Linux wheels only")
+def test_triton_kernels_compile_for_the_h100():
+    # The interpreter runs the kernels' Python with NumPy and forgives what the compiler does not (types,
+    # layouts): compile both for sm_90 (H100, H200) in each dtype lab 4 uses, ahead of time, no GPU needed.
+    script = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from gpulab.kernels import swiglu_triton as st\n"
+        "for dtype in ('fp32', 'bf16', 'fp16'):\n"
+        "    for kernel, pointers in ((st.swiglu_forward_kernel, 3), (st.swiglu_backward_kernel, 5)):\n"
+        "        names = kernel.arg_names\n"
+        "        signature = {**{a: '*' + dtype for a in names[:pointers]}, 'n': 'i32', 'BLOCK': 'constexpr'}\n"
+        "        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={'BLOCK': st.BLOCK}),\n"
+        "                                  target=GPUTarget('cuda', 90, 32))\n"
+        "        assert len(compiled.asm['cubin']) > 0\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_triton_kernel_matches_eager_under_the_interpreter():
     # TRITON_INTERPRET must be set before triton is imported: a fresh interpreter
     script = (
