@@ -7,17 +7,11 @@ importing this module: `triton.jit` then returns an interpreter that runs each p
 
 from __future__ import annotations
 
-import os
+import torch
+import triton
+import triton.language as tl
 
-# Triton 3.9 warns, when this is unset, that its default will change; its current default (fused
-# multiply-adds on) is what Triton 3.6, the GPU machine's, does without asking
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from gpulab.kernels.build import SwiGLUKernels  # noqa: E402
+from gpulab.kernels.build import SwiGLUKernels
 
 BLOCK = 1024  # elements per program
 
