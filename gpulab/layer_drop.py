@@ -31,7 +31,8 @@ from gpulab.checkpointing import decoder_layers
 
 
 def pld_theta(step: float, theta_bar: float = 0.5, gamma: float = 0.001) -> float:
-    """The expected share of layers kept at `step`: (1 - theta_bar) exp(-gamma step) + theta_bar.
+    """theta(step) = (1 - theta_bar) exp(-gamma step) + theta_bar: the last layer's keep probability at `step`
+    (`keep_probabilities` spreads it over depth; the expected share of layers kept is larger).
 
     1 at step 0, falling to `theta_bar`; `gamma` (per step) sets how fast. DeepSpeed's defaults in its
     tutorial are theta_bar = 0.5, gamma = 0.001."""
