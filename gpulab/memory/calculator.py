@@ -691,8 +691,9 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     temporaries = opt.step_temporaries * held * prec.state_bytes / shard
     if prec.master_bytes and not opt.fused_update:
         notes.append(f"mixed precision: the optimizer step is counted for an update that reads the 16-bit "
-                     f"gradients; DeepSpeed and Megatron-LM first copy them (their shard) to fp32: "
-                     f"+{held * 4 / shard / 1e9:.3f} GB at the step")
+                     f"gradients; DeepSpeed's ZeRO optimizer first copies them (its shard) to fp32: "
+                     f"+{held * 4 / shard / 1e9:.3f} GB at the step; Megatron-LM with bf16 keeps its gradients "
+                     f"in fp32 through backward: 2 more bytes per parameter")
     # DDP copies every gradient into its buckets, which live through the whole step
     # (gradient_as_bucket_view=False, its default; True makes the gradients views of them)
     buckets = grad_bytes if n > 1 and setup.zero_stage == 0 else 0.0
