@@ -1,9 +1,9 @@
 """Pipeline parallelism on K = 2 stages: GPipe and 1F1B written by hand with send/recv, then
 `torch.distributed.pipelining` (ScheduleGPipe, Schedule1F1B, and with two model chunks per rank
 ScheduleInterleaved1F1B and, where the installed torch has them and can run them on this backend,
-ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble); gradients against one process; a timeline of every stage's forward and backward;
-saved-activation bytes held per stage; and a one-process baseline: the same model and micro-batches
-run on one rank without pipelining, timed while the other rank waits.
+ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble); gradients against one process; a timeline of
+every stage's forward and backward; saved-activation bytes held per stage; and a one-process baseline:
+the same model and micro-batches run on one rank without pipelining, timed while the other rank waits.
 
 One node:   torchrun --nproc-per-node=2 labs/scripts/13_pipeline.py --out pipeline.json
 Two nodes (one stage per node; run on each, node-rank 0 and 1):
