@@ -26,7 +26,7 @@ install: $(STAMP)
 
 # --- a second environment with the lent GPU machine's library versions (constraints-gpu-image.txt
 # replaces those lines of constraints.txt), torch 2.11 included: PyPI's CUDA build, about 4.5 GB, which
-# runs on the CPU here
+# runs on the CPU here (--no-cache-dir: a cached copy of those wheels would double that on disk)
 GPU_VENV  ?= .venv-gpu-image
 GPU_STAMP := $(GPU_VENV)/.installed
 
@@ -35,7 +35,7 @@ $(GPU_STAMP): pyproject.toml constraints.txt constraints-gpu-image.txt
 	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
 	names=$$(grep -v '^#' constraints-gpu-image.txt | cut -d= -f1 | paste -sd'|'); \
 	  { grep -viE "^($$names)==" constraints.txt; grep -v '^#' constraints-gpu-image.txt; } > $(GPU_VENV)/constraints.txt
-	$(GPU_VENV)/bin/python -m pip install -q -c $(GPU_VENV)/constraints.txt -e '.[lab,test]'
+	$(GPU_VENV)/bin/python -m pip install -q --no-cache-dir -c $(GPU_VENV)/constraints.txt -e '.[lab,test]'
 	touch $@
 
 # --- static: the JavaScript the book serves itself, so pages render offline (no CDN) ----------
