@@ -12,7 +12,7 @@ LABS   ?= $(wildcard labs/[0-9]*.ipynb)
 help:
 	@echo "make book     build the HTML book into _build/html (offline: math served locally)"
 	@echo "make test     every test: gpulab units, structure, book build, browser, all labs under nbval"
-	@echo "make test-gpu-image  unit tests and all labs again with the GPU machine's torch, transformers, peft, triton"
+	@echo "make test-gpu-image  unit tests and all labs again with the GPU machine's transformers, peft, triton"
 	@echo "make lab      open JupyterLab on the labs"
 	@echo "make refresh  re-execute labs in place to refresh stored outputs (LABS=labs/01-....ipynb for one)"
 
@@ -25,16 +25,19 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # --- a second environment with the lent GPU machine's library versions (constraints-gpu-image.txt
-# replaces those lines of constraints.txt), torch 2.11 included: PyPI's CUDA build, about 4.5 GB, which
-# runs on the CPU here (--no-cache-dir: a cached copy of those wheels would double that on disk)
-GPU_VENV  ?= .venv-gpu-image
-GPU_STAMP := $(GPU_VENV)/.installed
+# replaces those lines of constraints.txt); torch stays the CPU build of constraints.txt. A third one
+# adds the GPU machine's torch 2.11 (PyPI's CUDA build, about 4.5 GB, which runs on a CPU; not in CI):
+#   make test-gpu-image GPU_VENV=.venv-gpu-torch GPU_CONSTRAINTS="constraints-gpu-image.txt constraints-gpu-torch.txt"
+# (--no-cache-dir: a cached copy of those wheels would double that on disk)
+GPU_VENV        ?= .venv-gpu-image
+GPU_CONSTRAINTS ?= constraints-gpu-image.txt
+GPU_STAMP       := $(GPU_VENV)/.installed
 
-$(GPU_STAMP): pyproject.toml constraints.txt constraints-gpu-image.txt
+$(GPU_STAMP): pyproject.toml constraints.txt $(GPU_CONSTRAINTS)
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
-	names=$$(grep -v '^#' constraints-gpu-image.txt | cut -d= -f1 | paste -sd'|'); \
-	  { grep -viE "^($$names)==" constraints.txt; grep -v '^#' constraints-gpu-image.txt; } > $(GPU_VENV)/constraints.txt
+	names=$$(cat $(GPU_CONSTRAINTS) | grep -v '^#' | cut -d= -f1 | paste -sd'|'); \
+	  { grep -viE "^($$names)==" constraints.txt; cat $(GPU_CONSTRAINTS) | grep -v '^#'; } > $(GPU_VENV)/constraints.txt
 	$(GPU_VENV)/bin/python -m pip install -q --no-cache-dir -c $(GPU_VENV)/constraints.txt -e '.[lab,test]'
 	touch $@
 
