@@ -61,6 +61,7 @@ def torchrun(script: str | Path, nproc: int = 2, args: list[str] | None = None, 
     if show_untagged and other:
         print("\n".join(other))
     if proc.returncode != 0:
-        tail = "\n".join(other[-40:])
+        # a failed rank's own message (C++'s "terminate called ...") comes before torchrun's report
+        tail = "\n".join(other[-80:])
         raise RuntimeError(f"{script.name} failed (exit status {proc.returncode}); launcher output:\n{tail}")
     return output

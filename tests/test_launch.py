@@ -26,3 +26,28 @@ def test_failing_script_raises(tmp_path):
     script.write_text("raise SystemExit('rank failed on purpose')\n")
     with pytest.raises(RuntimeError, match="failed"):
         torchrun(script, nproc=2, backend="gloo")
+
+
+FINISHING = """
+import sys
+from gpulab.distributed import finish, init, say
+me = init()
+say(me.rank, "before finish")
+finish({"world": me.world}, sys.argv[1], exit_code=int(sys.argv[2]))
+say(me.rank, "after finish")
+"""
+
+
+@pytest.mark.parametrize("exit_code", [0, 1])
+def test_finish_writes_results_then_exits_with_its_code(tmp_path, exit_code):
+    """`finish` leaves at once (no interpreter shutdown, where gloo can abort a rank) with the code it got:
+    rank 0's JSON is on disk, nothing after the call runs, and a non-zero code fails the launch."""
+    script, out = tmp_path / "finishing.py", tmp_path / "out.json"
+    script.write_text(FINISHING)
+    if exit_code:
+        with pytest.raises(RuntimeError, match="exit status"):
+            torchrun(script, nproc=2, backend="gloo", args=[str(out), "1"])
+    else:
+        output = torchrun(script, nproc=2, backend="gloo", args=[str(out), "0"])
+        assert output.count("before finish") == 2 and "after finish" not in output
+    assert out.read_text().replace(" ", "").replace("\n", "") == '{"world":2}'

@@ -74,9 +74,8 @@ def main() -> None:
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     say(rank, f"{len(rows)} sizes from {args.min_bytes} to {rows[-1]['bytes']} bytes: "
               f"sums {'correct on every rank' if int(ok) else 'WRONG'}")
-    finish({"backend": backend, "world": world, "rows": rows, "correct": bool(int(ok))}, args.out)
-    if not int(ok):
-        raise SystemExit(1)
+    finish({"backend": backend, "world": world, "rows": rows, "correct": bool(int(ok))}, args.out,
+           exit_code=0 if int(ok) else 1)
 
 
 if __name__ == "__main__":
