@@ -62,7 +62,7 @@ def finish(results: dict[str, Any], out: str | None, exit_code: int = 0) -> NoRe
     the process group and exits with `exit_code` at once.
 
     At once, without the interpreter's shutdown: `destroy_process_group` drops torch's own references to
-    a group, but a DeviceMesh or a DTensor can keep its gloo backend alive until then, and freeing it
+    a group, but other objects (a DeviceMesh, say) can keep its gloo backend alive until then, and freeing it
     while the interpreter is torn down can find a worker thread still joinable. C++ then aborts the rank
     ("terminate called without an active exception", pytorch/pytorch#179291) after its work is done:
     lab 14's script did, rarely, when CI ran it beside other labs. Nothing is left to clean up by then.
