@@ -62,10 +62,11 @@ def finish(results: dict[str, Any], out: str | None, exit_code: int = 0) -> NoRe
     the process group and exits with `exit_code` at once.
 
     At once, without the interpreter's shutdown: `destroy_process_group` drops torch's own references to
-    a group, but other objects (a DeviceMesh, say) can keep its gloo backend alive until then, and freeing it
-    while the interpreter is torn down can find a worker thread still joinable. C++ then aborts the rank
-    ("terminate called without an active exception", pytorch/pytorch#179291) after its work is done:
-    lab 14's script did, rarely, when CI ran it beside other labs. Nothing is left to clean up by then.
+    a group, but other objects (a DeviceMesh, say) can keep its gloo backend alive until then, and
+    freeing it while the interpreter is torn down can find a worker thread still joinable. C++ then
+    aborts the rank ("terminate called without an active exception"; pytorch/pytorch#179291 describes
+    the mechanism) after its work is done: lab 14's script did, rarely, when CI ran it beside other
+    labs. Nothing is left to clean up by then.
     """
     if dist.get_rank() == 0 and out:
         with open(out, "w") as f:
