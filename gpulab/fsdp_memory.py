@@ -11,6 +11,7 @@ collectives move nothing (the values are meaningless; the bytes are not).
 
 from __future__ import annotations
 
+import bisect
 import os
 import tempfile
 
@@ -24,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gpulab.checkpointing import checkpoint_in_segments, enable_transformers_checkpointing
 from gpulab.memory import ModelShape, TrainingSetup
 from gpulab.models import build_model
-from gpulab.profiling import load_trace, quiet_profile
+from gpulab.profiling import complete_events, load_trace, quiet_profile
 
 DTYPES = {"fp32": torch.float32, "bf16-pure": torch.bfloat16}
 # what the measured step does not do; a setup that asks for another value is refused
@@ -33,10 +34,46 @@ UNMEASURED = {"optimizer": "adamw", "attention": "sdpa", "padding_mask": False, 
               "loss_chunk_tokens": 0, "grad_accumulation": 1}
 
 
+# On a CPU, oneDNN's bf16 matmuls take scratch buffers from torch's allocator and free them before they
+# return. Their size depends on the instruction set oneDNN picks: at the peak of tests/test_fsdp_peak.py's
+# pure-bf16 step they added 0, 2% and 4% (AVX512-BF16, AMX, plain AVX512); fp32 matmuls took none.
+# They are no tensor of the step, and on CUDA cuBLAS keeps its workspace from call to call (at rest).
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+
+
+def _matmul_scratch(mem: list[dict], events: list[dict]) -> set[int]:
+    """Indices into `mem` (allocator events in time order) of the allocations, and their frees, made and
+    freed inside one matmul call on the same thread."""
+    calls: dict[object, list[tuple[float, float]]] = {}
+    for op in complete_events(events, "cpu_op"):
+        if op["name"] in MATMULS:
+            calls.setdefault(op.get("tid"), []).append((op["ts"], op["ts"] + op["dur"]))
+
+    def enclosing_end(e: dict) -> float | None:
+        """The end of the innermost matmul call on e's thread that was running at e."""
+        spans = calls.get(e.get("tid"), [])
+        for start, end in reversed(spans[:bisect.bisect_right(spans, (e["ts"], float("inf")))]):
+            if end >= e["ts"]:
+                return end
+        return None
+
+    scratch: set[int] = set()
+    made: dict[object, tuple[int, float | None]] = {}
+    for i, e in enumerate(mem):
+        addr = e["args"].get("Addr")
+        if e["args"]["Bytes"] > 0:
+            made[addr] = (i, enclosing_end(e))
+        elif addr in made:
+            j, end = made.pop(addr)
+            if end is not None and e["ts"] <= end:
+                scratch.update((i, j))
+    return scratch
+
+
 def cpu_allocated_bytes(prof: profile, mark: str | None = None) -> tuple[int, int, int | None]:
     """(bytes allocated when `prof` started, the most while it ran, at the start of the first
-    `record_function(mark)`) from the CPU allocator's events. Their 'Total Allocated' is the running
-    total of bytes allocated and not yet freed."""
+    `record_function(mark)`) from the CPU allocator's events, leaving out the scratch that matmul
+    kernels allocate and free within one call (`MATMULS`' comment says why)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -44,14 +81,20 @@ def cpu_allocated_bytes(prof: profile, mark: str | None = None) -> tuple[int, in
         events = load_trace(path)
     finally:
         os.remove(path)
-    mem = sorted(((e["ts"], e["args"]) for e in events
-                  if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0), key=lambda e: e[0])
-    start = mem[0][1]["Total Allocated"] - mem[0][1]["Bytes"]
-    peak = max(args["Total Allocated"] for _, args in mem)
-    at_mark = None
-    if mark is not None:
-        ts = min(e["ts"] for e in events if e.get("name") == mark and e.get("ph") == "X")
-        at_mark = [args["Total Allocated"] for t, args in mem if t <= ts][-1]
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+                 key=lambda e: e["ts"])
+    scratch = _matmul_scratch(mem, events)
+    # 'Total Allocated' is the allocator's running total after each event; it counts the scratch
+    start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
+    mark_ts = min(e["ts"] for e in events if e.get("name") == mark and e.get("ph") == "X") if mark else None
+    total = peak = start
+    at_mark = start if mark else None
+    for i, e in enumerate(mem):
+        if i not in scratch:
+            total += e["args"]["Bytes"]
+            peak = max(peak, total)
+        if mark_ts is not None and e["ts"] <= mark_ts:
+            at_mark = total
     return start, peak, at_mark
 
 

@@ -9,6 +9,10 @@ during one forward and backward from the state at rest (sharded parameters and A
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +94,30 @@ def test_checkpointed_segments_hold_more_than_counted(every, batch):
     print(f"segments of {every}: FSDP2 / calculator = {ratio:.3f}")
     assert 1.05 < ratio <= 1.31
     assert any("up to 30% more" in note for note in est.notes)
+
+
+# what oneDNN may run on this CPU, newest first (it falls back to what the CPU has)
+ONEDNN_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE")
+MEASURE_BF16 = """
+from gpulab.fsdp_memory import fsdp_step_peak_bytes
+from gpulab.memory import ModelShape, TrainingSetup
+shape = ModelShape(**{shape})
+print(fsdp_step_peak_bytes(shape, TrainingSetup(precision="bf16-pure", zero_stage=3, world_size=2, batch_size=2,
+                                                 seq_len=64)))
+"""
+
+
+def test_bf16_peak_leaves_out_the_cpu_matmuls_scratch():
+    """oneDNN's bf16 matmuls allocate scratch that depends on the instruction set it picks (on a CPU with
+    AMX: 2% of this step's peak with AMX, 4% with plain AVX512, none with AVX512-BF16); the measurement
+    leaves it out, so each gives the same peak. ONEDNN_MAX_CPU_ISA is read once per process."""
+    code = MEASURE_BF16.format(shape=dataclasses.asdict(TINY))
+    root = Path(__file__).resolve().parents[1]
+    peaks = {}
+    for isa in ONEDNN_ISAS:
+        env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa, PYTHONPATH=str(root))
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        peaks[isa] = int(proc.stdout.split()[-1])
+    print(peaks)
+    assert len(set(peaks.values())) == 1, peaks
