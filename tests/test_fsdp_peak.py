@@ -98,12 +98,10 @@ def test_checkpointed_segments_hold_more_than_counted(every, batch):
 
 # what oneDNN may run on this CPU, newest first (it falls back to what the CPU has)
 ONEDNN_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE")
-MEASURE_BF16 = """
+MEASURE = """
 from gpulab.fsdp_memory import fsdp_step_peak_bytes
 from gpulab.memory import ModelShape, TrainingSetup
-shape = ModelShape(**{shape})
-print(fsdp_step_peak_bytes(shape, TrainingSetup(precision="bf16-pure", zero_stage=3, world_size=2, batch_size=2,
-                                                 seq_len=64)))
+print(fsdp_step_peak_bytes(ModelShape(**{shape}), TrainingSetup(**{setup})))
 """
 
 
@@ -111,7 +109,9 @@ def test_bf16_peak_leaves_out_the_cpu_matmuls_scratch():
     """oneDNN's bf16 matmuls allocate scratch that depends on the instruction set it picks (on a CPU with
     AMX: 2% of this step's peak with AMX, 4% with plain AVX512, none with AVX512-BF16); the measurement
     leaves it out, so each gives the same peak. ONEDNN_MAX_CPU_ISA is read once per process."""
-    code = MEASURE_BF16.format(shape=dataclasses.asdict(TINY))
+    shape, kw = CASES["pure bf16"]
+    setup = TrainingSetup(**{"precision": "fp32", "optimizer": "adamw", "zero_stage": 3, **kw})
+    code = MEASURE.format(shape=dataclasses.asdict(shape), setup=dataclasses.asdict(setup))
     root = Path(__file__).resolve().parents[1]
     peaks = {}
     for isa in ONEDNN_ISAS:
