@@ -1,5 +1,6 @@
 """tools/gpu-run.sh and tools/gpu_run.py, on the CPU: labs found by number, a failing lab stored with its
-error, a time limit that kills a lab, and an archive and a log that hold every lab that ran."""
+error, a time limit that stops a lab and stores what ran, and an archive and a log that hold every lab
+that ran."""
 
 import importlib.util
 import json
@@ -36,7 +37,7 @@ def test_labs_are_found_by_number_and_a_bad_name_says_which_exist():
 def test_run_logs_each_lab_and_archives_the_executed_notebooks(tmp_path):
     good = notebook(tmp_path / "good.ipynb", "print(6 * 7)")
     bad = notebook(tmp_path / "bad.ipynb", "print('before')", "raise ValueError('broken on purpose')", "print('never')")
-    slow = notebook(tmp_path / "slow.ipynb", "import time; time.sleep(120)")
+    slow = notebook(tmp_path / "slow.ipynb", "print('started')", "import time; time.sleep(120)", "print('never')")
     log, archive = tmp_path / "run.json", tmp_path / "run.tar.gz"
     status = gpu_run.main([str(bad), str(good), str(slow), "--lab-timeout", "25", "--deadline", "200",
                            "--log", str(log), "--archive", str(archive)])
@@ -45,7 +46,11 @@ def test_run_logs_each_lab_and_archives_the_executed_notebooks(tmp_path):
     assert records["good.ipynb"]["status"] == "ok"
     assert records["bad.ipynb"]["status"] == "error"
     assert any("broken on purpose" in line for line in records["bad.ipynb"]["stderr_tail"])
-    assert records["slow.ipynb"]["status"] in ("timeout", "failed")
+    # the slow lab is stopped at its limit and stored with the cells that ran, its slowest one named
+    assert records["slow.ipynb"]["status"] == "timeout" and records["slow.ipynb"]["wall_s"] < 50
+    assert any("stopped at its limit of 25 s" in line for line in records["slow.ipynb"]["stderr_tail"])
+    assert nbformat.read(slow, as_version=4).cells[0].outputs[0]["text"] == "started\n"
+    assert [i for i, _ in records["good.ipynb"]["slowest_cells"]] == [0]
     # executed in place: the good lab holds its output, the failing one its error and the cells before it
     assert nbformat.read(good, as_version=4).cells[0].outputs[0]["text"] == "42\n"
     bad_cells = nbformat.read(bad, as_version=4).cells

@@ -21,4 +21,21 @@ for have in pytest pluggy iniconfig packaging pygments psutil typing_extensions 
             coverage six numpy; do
   rm -f "$dest"/${have}-[0-9]*.whl
 done
-du -sh "$dest"; ls "$dest" | wc -l
+# what the labs never import, though ipykernel and ipywidgets name it (12 MB): the debugger (debugpy),
+# IPython's completion (jedi, parso), the classic notebook's widget files, and zoneinfo's fallback data
+# (Linux has its own). Without them the carried tree stays under the 64 MiB a device call may carry.
+for unused in debugpy jedi parso widgetsnbextension tzdata; do
+  rm -f "$dest"/${unused}-[0-9]*.whl
+done
+ls "$dest" | wc -l
+# the working tree that travels (tracked and untracked-but-not-ignored files) plus the wheels
+tree_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
+wheel_bytes=$(du -cb "$dest"/*.whl | tail -1 | cut -f1)
+limit_bytes=$((64 * 1024 * 1024))
+total_bytes=$((tree_bytes + wheel_bytes))
+echo "gpu-wheels: $((wheel_bytes / 1000000)) MB of wheels + $((tree_bytes / 1000000)) MB of repository =" \
+     "$((total_bytes / 1000000)) MB of the $((limit_bytes / 1000000)) MB (64 MiB) a device call carries"
+if [ "$total_bytes" -gt "$limit_bytes" ]; then
+  echo "gpu-wheels: too big to carry: leave untracked files out or drop a wheel the labs do not import" >&2
+  exit 1
+fi

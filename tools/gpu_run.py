@@ -82,20 +82,46 @@ def first_error(nb) -> str | None:
     return None
 
 
-def run_one(path: Path, cell_timeout_s: int) -> int:
-    """Child process: execute one lab in place; the notebook is written back whatever happens."""
+def slowest_cells(path: Path, n: int = 3) -> list[list[float]]:
+    """The `n` slowest cells of an executed lab as [cell index, seconds], from nbclient's timestamps."""
+    import nbformat
+    from datetime import datetime
+
+    times = []
+    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        run = cell.get("metadata", {}).get("execution", {})
+        start, end = run.get("iopub.execute_input"), run.get("shell.execute_reply")
+        if start and end:
+            seconds = (datetime.fromisoformat(end.replace("Z", "+00:00"))
+                       - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+            times.append([i, round(seconds, 1)])
+    return sorted(times, key=lambda t: -t[1])[:n]
+
+
+def run_one(path: Path, limit_s: int) -> int:
+    """Child process: execute one lab in place within `limit_s` for all its cells together; the notebook
+    is written back whatever happens, so a lab stopped at its limit keeps the outputs of the cells that
+    ran and their timings (nbclient records each cell's start and end in its metadata)."""
     import nbclient
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=cell_timeout_s, kernel_name="python3",
+    end = time.monotonic() + limit_s
+
+    def cell_timeout_s(cell) -> int:  # what is left of the lab's limit (nbclient reads 0 as "no limit")
+        return max(1, int(end - time.monotonic()))
+
+    client = nbclient.NotebookClient(nb, timeout_func=cell_timeout_s, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     status = 0
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError:
         status = 1
-    except Exception as exc:  # kernel died, cell timeout: store what ran and say why
+    except nbclient.exceptions.CellTimeoutError as exc:  # the lab's limit: say in which cell
+        print(f"gpu-run: {path.name}: stopped at its limit of {limit_s} s. {exc}"[:1500], file=sys.stderr)
+        status = 3
+    except Exception as exc:  # kernel died: store what ran and say why
         print(f"gpu-run: {path.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
         status = 2
     finally:
@@ -133,15 +159,15 @@ class Run:
         if limit_s >= 20:
             t0 = time.monotonic()
             cmd = [sys.executable, str(Path(__file__).resolve()), "--one", str(path),
-                   "--cell-timeout", str(int(limit_s))]
-            try:
+                   "--lab-limit", str(int(limit_s))]
+            try:  # the child stops its lab at limit_s and stores it; the margin is for a hung kernel
                 child = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s + 30)
-                status = {0: "ok", 1: "error"}.get(child.returncode, "failed")
+                status = {0: "ok", 1: "error", 3: "timeout"}.get(child.returncode, "failed")
                 tail = [l for l in child.stderr.strip().splitlines() if "running over TCP" not in l][-25:]
             except subprocess.TimeoutExpired:
                 status, tail = "timeout", [f"killed after {limit_s + 30:.0f} s"]
             record = {"lab": path.name, "status": status, "wall_s": round(time.monotonic() - t0, 1),
-                      "stderr_tail": tail}
+                      "slowest_cells": slowest_cells(path), "stderr_tail": tail}
         with self.lock:
             self.records.append(record)
             print(f"{record['lab']:40s} {record['status']:8s} {record['wall_s']:7.1f} s", flush=True)
@@ -184,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", default="gpu-run.json")
     ap.add_argument("--archive", default="", help="a .tar.gz of the log and every executed lab")
     ap.add_argument("--one", help=argparse.SUPPRESS)
-    ap.add_argument("--cell-timeout", type=int, default=600, help=argparse.SUPPRESS)
+    ap.add_argument("--lab-limit", type=int, default=600, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        return run_one(Path(args.one), args.cell_timeout)
+        return run_one(Path(args.one), args.lab_limit)
     lanes = [find_labs([n for n in lane.split(",") if n]) for lane in args.lane]
     if args.labs or not lanes:
         lanes.append(find_labs(args.labs))
