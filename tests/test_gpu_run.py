@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "tools" / "gpu_run.py")
 gpu_run = importlib.util.module_from_spec(spec)
+sys.modules["gpu_run"] = gpu_run  # dataclasses look their module up there
 spec.loader.exec_module(gpu_run)
 
 
@@ -77,3 +78,28 @@ def test_the_shell_entry_point_runs_and_names_missing_packages(tmp_path):
     bare.chmod(0o755)
     proc = subprocess.run([script], capture_output=True, text=True, env={**env, "PYTHON": str(bare)}, timeout=120)
     assert proc.returncode == 2 and "missing packages: torch" in proc.stderr and "tools/gpu-wheels.sh" in proc.stderr
+
+
+def test_a_lane_can_wait_until_a_lab_in_another_lane_has_ended(tmp_path):
+    slow = notebook(tmp_path / "slow.ipynb", "import time; time.sleep(8)")
+    quick = notebook(tmp_path / "quick.ipynb", "pass")
+    log = tmp_path / "run.json"
+    status = gpu_run.main(["--lane", str(slow), "--lane", f"after:{slow},{quick}", "--log", str(log)])
+    assert status == 0
+    # without the wait the quick lab would end first: records are appended as labs end
+    assert [r["lab"] for r in json.loads(log.read_text())["labs"]] == ["slow.ipynb", "quick.ipynb"]
+    with pytest.raises(SystemExit, match="later in its own lane"):
+        gpu_run.parse_lanes([f"after:{slow},{slow}"])
+    with pytest.raises(SystemExit, match="no lane runs"):
+        gpu_run.parse_lanes([f"after:{slow},{quick}"])
+
+
+def test_the_plan_runs_every_lab_once_and_its_waits_can_end():
+    lanes = gpu_run.parse_lanes(gpu_run.PLAN)
+    planned = [item.name for lane in lanes for item in lane if isinstance(item, Path)]
+    assert sorted(planned) == [p.name for p in gpu_run.find_labs([])]  # a new lab must join a lane
+    # every wait is for a lab that a lane without waits of its own runs, so no two lanes wait on each other
+    waits = {item.lab.name for lane in lanes for item in lane if isinstance(item, gpu_run.Wait)}
+    free = {item.name for lane in lanes if not any(isinstance(i, gpu_run.Wait) for i in lane)
+            for item in lane}
+    assert waits <= free
