@@ -42,7 +42,10 @@ PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelera
 # of under ten minutes runs every lab. The labs whose timings the chapters quote (02 mixed precision,
 # 03 copies, 04 kernels) run first, beside only the labs whose processes run on the CPU (gloo, one thread
 # each: 11-14, 17); the other lanes wait for them. Wall times on an H100 with `small` (2026-11-25) were
-# 25-160 s a lab; the lanes are balanced on those and on guesses for the labs added since (14-19).
+# 25-160 s a lab; the lanes are balanced on those and on guesses for the labs added since (14-19), the
+# long ones (7 and 9 train several seeds, 19 a 1B model) first once the timed labs are done. The call:
+#   tools/gpu-run.sh --plan --lab-timeout 330 --deadline 520 --archive $OUT/gpu-run.tar.gz \
+#       --log $OUT/gpu-run.json          # with the device call's timeout_s at 590
 PLAN = ["02,03,04,00,01,05,18", "11,12,13,after:04,07", "14,17,after:04,09,08", "after:04,19,06",
         "after:04,10,15,16"]
 
