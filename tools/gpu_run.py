@@ -46,8 +46,11 @@ PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelera
 # long ones (7 and 9 train several seeds, 19 a 1B model) first once the timed labs are done. The call:
 #   tools/gpu-run.sh --plan --lab-timeout 330 --deadline 520 --archive $OUT/gpu-run.tar.gz \
 #       --log $OUT/gpu-run.json          # with the device call's timeout_s at 590
-PLAN = ["02,03,04,00,01,05,18", "11,12,13,after:04,07", "14,17,after:04,09,08", "after:04,19,06",
-        "after:04,10,15,16"]
+# Lab 19 runs alone, last: its rungs fill up to 64 GB of an 80 GB card (a 1B model, 16 conversations of
+# up to 1024 tokens), and another lab's memory beside it would run it out. Where the deadline leaves it
+# too little time, the next session runs it first: `--plan 19 ...` keeps only the labs named.
+PLAN = ["02,03,04,00,01,05,18", "11,12,13,after:04,07", "14,17,after:04,09,08", "after:04,10,06",
+        "after:04,15,16", "after:18,after:07,after:08,after:06,after:16,19"]
 
 
 def find_labs(names: list[str]) -> list[Path]:
@@ -157,9 +160,10 @@ class Wait:
     lab: Path
 
 
-def parse_lanes(lanes: list[str]) -> list[list[Path | Wait]]:
-    """`--lane` values ("02,03,04" or "11,after:04,07") as lanes of labs and waits; a wait must name a lab
-    that some lane runs, and not one its own lane runs later (that lane would wait for itself)."""
+def parse_lanes(lanes: list[str], only: list[Path] | None = None) -> list[list[Path | Wait]]:
+    """`--lane` values ("02,03,04" or "11,after:04,07") as lanes of labs and waits. With `only`, just those
+    labs are kept, and the waits for labs left out are dropped. A wait must name a lab that some lane
+    runs, and the waits must let every lane finish (none may wait, directly or not, for itself)."""
     parsed: list[list[Path | Wait]] = []
     for lane in lanes:
         items: list[Path | Wait] = []
@@ -169,14 +173,34 @@ def parse_lanes(lanes: list[str]) -> list[list[Path | Wait]]:
             else:
                 items.append(find_labs([name])[0])
         parsed.append(items)
+    if only is not None:
+        parsed = [[i for i in items if (i.lab if isinstance(i, Wait) else i) in only] for items in parsed]
+        parsed = [items for items in parsed if any(isinstance(i, Path) for i in items)]
+    planned = {i for items in parsed for i in items if isinstance(i, Path)}
     for items in parsed:
-        for i, item in enumerate(items):
-            if not isinstance(item, Wait):
-                continue
-            if not any(item.lab in other for other in parsed):
+        for item in items:
+            if isinstance(item, Wait) and item.lab not in planned:
                 raise SystemExit(f"gpu-run: after:{item.lab.name[:2]} waits for a lab that no lane runs")
-            if item.lab in items[i + 1:]:
-                raise SystemExit(f"gpu-run: after:{item.lab.name[:2]} waits for a lab later in its own lane")
+    # walk the lanes as they would run: a lane moves on past a wait once its lab has ended
+    ended: set[Path] = set()
+    at = [0] * len(parsed)
+    while True:
+        moved = False
+        for k, items in enumerate(parsed):
+            while at[k] < len(items):
+                item = items[at[k]]
+                if isinstance(item, Wait) and item.lab not in ended:
+                    break
+                if isinstance(item, Path):
+                    ended.add(item)
+                at[k] += 1
+                moved = True
+        if not moved:
+            break
+    stuck = [items[at[k]] for k, items in enumerate(parsed) if at[k] < len(items)]
+    if stuck:
+        raise SystemExit("gpu-run: these waits would never end: "
+                         + ", ".join(f"after:{w.lab.name[:2]}" for w in stuck if isinstance(w, Wait)))
     return parsed
 
 
@@ -263,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lane", action="append", default=[],
                     help="comma-separated labs run one after another beside the other lanes; "
                          "after:NN waits until lab NN has ended")
-    ap.add_argument("--plan", action="store_true", help="every lab in the lanes of PLAN (one device call)")
+    ap.add_argument("--plan", action="store_true",
+                    help="every lab in the lanes of PLAN (one device call), or only the labs named")
     ap.add_argument("--lab-timeout", type=float, default=600, help="seconds one lab may take")
     ap.add_argument("--deadline", type=float, default=3600, help="seconds after which no lab starts")
     ap.add_argument("--log", default="gpu-run.json")
@@ -273,9 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.one:
         return run_one(Path(args.one), args.lab_limit)
-    lanes = parse_lanes(PLAN if args.plan else args.lane)
-    if args.labs or not lanes:
-        lanes.append(list(find_labs(args.labs)))
+    if args.plan:  # the plan's lanes, or only the labs named in them
+        lanes = parse_lanes(PLAN, find_labs(args.labs) if args.labs else None)
+    else:
+        lanes = parse_lanes(args.lane)
+        if args.labs or not lanes:
+            lanes.append(list(find_labs(args.labs)))
     return Run(args).go(lanes)
 
 
