@@ -46,9 +46,10 @@ PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelera
 # long ones (7 and 9 train several seeds, 19 a 1B model) first once the timed labs are done. The call:
 #   tools/gpu-run.sh --plan --lab-timeout 330 --deadline 520 --archive $OUT/gpu-run.tar.gz \
 #       --log $OUT/gpu-run.json          # with the device call's timeout_s at 590
-# Lab 19 runs alone, last: its rungs fill up to 64 GB of an 80 GB card (a 1B model, 16 conversations of
-# up to 1024 tokens), and another lab's memory beside it would run it out. Where the deadline leaves it
-# too little time, the next session runs it first: `--plan 19 ...` keeps only the labs named.
+# Lab 19 runs alone, last: its largest rung takes over 60 GB of an 80 GB card (the calculator: a 1B
+# model in bf16, 16 conversations of up to 1024 tokens), and another lab beside it would run it out of
+# memory. Where the deadline leaves it too little time, the next session runs it first: `--plan 19 ...`
+# keeps only the labs named.
 PLAN = ["02,03,04,00,01,05,18", "11,12,13,after:04,07", "14,17,after:04,09,08", "after:04,10,06",
         "after:04,15,16", "after:18,after:07,after:08,after:06,after:16,19"]
 
