@@ -1,8 +1,8 @@
 """List the figures a chapter quotes that its lab's stored outputs no longer print.
 
 After a lab is executed again (on a GPU, or after a change), every measured figure its chapter quotes
-must come from the new outputs. This lists, per chapter, each number in the prose (not in code blocks,
-equations or citations) that appears nowhere in the lab's outputs, with its line: what is left is
+must come from the new outputs. This lists, per chapter, each number in the prose (exercises, solutions
+and figure captions included; not code blocks, equations or citations) that appears nowhere in the lab's outputs, with its line: what is left is
 either stale, cited (REFERENCE-FIGURES), derived from other figures, or a setting, and a person decides.
 
     python tools/stale_numbers.py            # every chapter with a lab of the same number
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{3,})(?![\w])")
-SKIPPED_BLOCK = re.compile(r"^(```|:::)")
+FENCE = re.compile(r"^(```+|~~~+)")  # code; the prose inside ::: blocks (exercises, figures) is read
 INLINE_SKIP = re.compile(r"`[^`]*`|\$[^$]*\$|\{cite[^}]*\}`[^`]*`|\[[^\]]*\]\([^)]*\)|\{ref\}`[^`]*`")
 
 
@@ -30,11 +30,11 @@ def prose_numbers(chapter: Path) -> list[tuple[int, str]]:
     """(line number, number as written) for the prose of a chapter."""
     found, fence = [], None
     for i, line in enumerate(chapter.read_text().splitlines(), 1):
-        m = SKIPPED_BLOCK.match(line.strip())
+        m = FENCE.match(line.strip())
         if m:
             fence = None if fence == m.group(1) else (fence or m.group(1))
             continue
-        if fence or line.strip().startswith("$$"):
+        if fence or line.strip().startswith(("$$", ":::", ":label:", ":width:", ":name:")):
             continue
         for n in NUMBER.findall(INLINE_SKIP.sub(" ", line)):
             if not re.fullmatch(r"(19|20)\d\d", n):  # years
