@@ -7,7 +7,7 @@ Run through `tools/gpu-run.sh`, which installs the carried wheels and sets the e
     tools/gpu-run.sh --lane 00,02,03,04 --lane 01,05,06    # lanes run side by side (for a diagnosis:
                                                             # timings taken side by side are not clean)
     tools/gpu-run.sh --lane 02,03 --lane 11,after:03,05    # lab 5 starts once lab 3 has ended
-    tools/gpu-run.sh --plan --deadline 480 --archive $OUT/labs.tar.gz   # every lab, lanes as in PLAN
+    tools/gpu-run.sh --plan --lab-timeout 330 --deadline 520 --archive $OUT/labs.tar.gz  # lanes of PLAN
 
 Each lab runs in a child process (`python tools/gpu_run.py --one LAB`) that executes it with nbclient and
 writes the notebook back even when a cell fails, so the error is stored in the lab. The parent kills a
@@ -43,7 +43,7 @@ PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelera
 # 03 copies, 04 kernels) run first, beside only the labs whose processes run on the CPU (gloo, one thread
 # each: 11-14, 17); the other lanes wait for them. Wall times on an H100 with `small` (2026-11-25) were
 # 25-160 s a lab; the lanes are balanced on those and on guesses for the labs added since (14-19), the
-# long ones (7 and 9 train several seeds, 19 a 1B model) first once the timed labs are done. The call:
+# long ones (7 and 9 train several seeds) first once the timed labs are done. The call:
 #   tools/gpu-run.sh --plan --lab-timeout 330 --deadline 520 --archive $OUT/gpu-run.tar.gz \
 #       --log $OUT/gpu-run.json          # with the device call's timeout_s at 590
 # Lab 19 runs alone, last: its largest rung takes over 60 GB of an 80 GB card (the calculator: a 1B
@@ -106,8 +106,12 @@ def slowest_cells(path: Path, n: int = 3) -> list[list[float]]:
     import nbformat
     from datetime import datetime
 
+    try:
+        cells = nbformat.read(path, as_version=4).cells
+    except Exception:  # a notebook the killed child left unreadable: the log says so elsewhere
+        return []
     times = []
-    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+    for i, cell in enumerate(cells):
         run = cell.get("metadata", {}).get("execution", {})
         start, end = run.get("iopub.execute_input"), run.get("shell.execute_reply")
         if start and end:
