@@ -75,14 +75,12 @@ def main(argv: list[str]) -> int:
     chapters = sorted((ROOT / "chapters").glob("[0-9][0-9]-*.md"))
     if argv:
         chapters = [c for c in chapters if c.name[:2] in argv]
-    stale_total = 0
     for chapter in chapters:
         labs = list((ROOT / "labs").glob(f"{chapter.name[:2]}-*.ipynb"))
         if not labs:
             continue
         values = output_values(output_text(labs[0]))
         stale = [(i, n) for i, n in prose_numbers(chapter) if not printed(n, values)]
-        stale_total += len(stale)
         print(f"{chapter.name}: {len(stale)} numbers not in {labs[0].name}'s outputs")
         for i, n in stale:
             print(f"  line {i}: {n}")
