@@ -705,6 +705,12 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     # each tensor-parallel GPU caches the KV heads it computes
     kv = kv_cache_bytes(shape, setup.kv_cache_len, setup.kv_cache_batch, prec.act_bytes) / setup.tp_degree \
         if shape else 0.0
+    if shape and setup.tp_degree > 1 and not setup.lora_rank:
+        # DTensor computes the embedding's gradient from the replicated token ids as a whole table on
+        # every rank and keeps it until the optimizer step (measured: tests/test_tp_peak.py)
+        whole = shape.vocab_size * shape.hidden_size * prec.grad_bytes * (1 - 1 / setup.tp_degree)
+        notes.append(f"tensor parallel counted as Megatron-LM shards the embedding's gradient; PyTorch's plan "
+                     f"keeps it whole on every GPU: +{whole / 1e9:.3f} GB wherever all gradients are alive")
     if shape and setup.seq_len and setup.sequence_parallel and setup.tp_degree > 1:
         extra = torch_sequence_parallel_extra_bytes(shape, setup)
         notes.append(f"sequence parallel counted as Megatron-LM keeps it; PyTorch's SequenceParallel plan "
