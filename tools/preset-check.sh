@@ -25,8 +25,10 @@ cd "$scratch/repo"
 labs=()
 for n in "$@"; do labs+=("$(ls labs/"$n"-*.ipynb)"); done
 status=0
+limit_s=${LAB_TIMEOUT:-1800}
+# labs run one after another here: the run's deadline (gpu_run's default, an hour) must not cut a lab short
 GPULAB_PRESET=${PRESET:-small} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$python" tools/gpu_run.py \
-    "$@" --lab-timeout "${LAB_TIMEOUT:-1800}" --log "$scratch/run.json" || status=$?
+    "$@" --lab-timeout "$limit_s" --deadline "$((limit_s * $# + 60))" --log "$scratch/run.json" || status=$?
 echo "preset-check: executed with GPULAB_PRESET=${PRESET:-small} (exit status $status); nbval with the default preset:"
 env -u GPULAB_PRESET "$python" -m pytest --nbval "${labs[@]}" -q -n 0 -p no:cacheprovider || status=1
 exit $status
