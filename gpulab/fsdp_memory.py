@@ -101,16 +101,17 @@ def cpu_allocated_bytes(prof: profile, mark: str | None = None) -> tuple[int, in
 def fsdp_step_peak_bytes(shape: ModelShape, setup: TrainingSetup, device: torch.device | str = "cpu") -> int:
     """Most bytes allocated above rest during one forward and backward of a Llama with `shape`,
     `fully_shard` per decoder layer and at the root, on rank 0 of `setup.world_size` (fake process
-    group). At rest: the sharded parameters and AdamW's states, no gradients (`zero_grad(set_to_none=True)`).
+    group): ZeRO-3 for `setup.zero_stage` 3, ZeRO-2 (`reshard_after_forward=False`) for 2. At rest: the
+    sharded parameters and AdamW's states, no gradients (`zero_grad(set_to_none=True)`).
     `setup` gives the precision ("fp32" or "bf16-pure"), micro-batch, sequence length and checkpointing:
     `transformers`' own per layer for `checkpoint_every=1`, `gpulab.checkpointing.checkpoint_in_segments`
     for more. The step is fused AdamW's, on unpadded batches, with SDPA."""
     if setup.precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)} (the parameters' dtype), got {setup.precision!r}")
     unmeasured = {name: getattr(setup, name) for name, default in UNMEASURED.items() if getattr(setup, name) != default}
-    if unmeasured or setup.zero_stage != 3 or setup.world_size < 2 or not setup.seq_len:
-        raise ValueError(f"measures ZeRO-3 over 2 or more ranks with a sequence length, fused AdamW, no LoRA, "
-                         f"tensor parallelism, padding, accumulation or chunked loss; got {setup}")
+    if unmeasured or setup.zero_stage not in (2, 3) or setup.world_size < 2 or not setup.seq_len:
+        raise ValueError(f"measures ZeRO-2 or ZeRO-3 over 2 or more ranks with a sequence length, fused AdamW, "
+                         f"no LoRA, tensor parallelism, padding, accumulation or chunked loss; got {setup}")
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized: run this in a process without one "
                            "(it plays rank 0 of a fake process group of its own)")
@@ -124,9 +125,12 @@ def fsdp_step_peak_bytes(shape: ModelShape, setup: TrainingSetup, device: torch.
         elif setup.checkpointing:
             checkpoint_in_segments(model, setup.checkpoint_every)  # the layers keep their modules
         mesh = init_device_mesh(device.type, (setup.world_size,))
+        # ZeRO-2 keeps each gathered layer from its forward to its backward; ZeRO-3 takes FSDP2's default
+        # (None: every layer resharded after forward, the root kept, since backward starts with it)
+        reshard = None if setup.zero_stage == 3 else False
         for layer in layers:  # every decoder layer a unit, inside a checkpointed segment or not
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         ids = torch.randint(0, shape.vocab_size, (setup.batch_size, setup.seq_len),
                             generator=torch.Generator().manual_seed(0)).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), fused=True)

@@ -111,6 +111,9 @@ class MemoryEstimate:
     peak: int = 0
     peak_moment: str = ""
     notes: tuple[str, ...] = field(default=())
+    # ZeRO-2 over several GPUs, with a shape and a sequence length: the step's peak as PyTorch's FSDP2
+    # runs stage 2 (`reshard_after_forward=False`: shards at rest), beside `peak`'s DeepSpeed count
+    fsdp2_zero2_peak: int = 0
 
     @property
     def total(self) -> int:
@@ -482,9 +485,10 @@ def step_moments(shape: ModelShape | None, setup: TrainingSetup, trainable: floa
       while it is added to the old;
     - the optimizer step: every gradient, and the step's temporaries.
     `trainable` is the trainable parameters on this GPU, `gradients` their gradients' bytes, `buckets`
-    what is alive at every moment besides (DDP's gradient buckets), `fsdp` what ZeRO-3 holds whole
-    (`_fsdp_moments`). A layer's own gradients while its backward runs and per-tensor temporaries are
-    not counted, except under ZeRO-3, where FSDP2 keeps them whole until the layer's reduce-scatter.
+    what is alive at every moment besides (DDP's gradient buckets), `fsdp` what FSDP2 holds whole under
+    ZeRO-3 or ZeRO-2 (`_fsdp_moments`). A layer's own gradients while its backward runs and per-tensor
+    temporaries are not counted, except under FSDP2, which keeps them whole until the layer's
+    reduce-scatter.
     """
     moments = _step_moments(shape, setup, trainable, gradients, optimizer_temporaries, fsdp)
     return {moment: value + buckets for moment, value in moments.items()}
@@ -593,32 +597,54 @@ def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape,
     Activations shrink and gradient shards grow from unit to unit, so the most is at the top or
     bottom unit or at the ones next to them. Segments are counted as long as the first one (the
     last may be shorter).
+
+    Under ZeRO-2 (`reshard_after_forward=False`) no layer is resharded after its forward or gathered in
+    backward: each keeps its parameters from its forward to the end of its backward. Forward's most is
+    then as the top layer copies its parameters out of the all-gather's buffer, the layer below's buffer
+    still alive; backward's, at a unit's backward, that unit and every one below it gathered.
     """
     G, R, n = fsdp.layer, fsdp.layer_grads, setup.world_size
     k = min(setup.checkpoint_every, shape.num_layers) if setup.checkpointing else 1  # layers per unit
     accumulating = setup.grad_accumulation > 1
+    # ZeRO-2 (reshard_after_forward=False): every layer stays gathered from its forward to its backward
+    kept = setup.zero_stage == 2
+    L = shape.num_layers
     # the LM head's gradient is whole from its backward on, beyond the shard the moments count
     head = fsdp.head_table * (1 - 1 / n)
     chunked = 0 < setup.loss_chunk_tokens < setup.batch_size * setup.seq_len
-    moments["end of forward"] += fsdp.root + G
-    moments["start of backward"] += fsdp.root + G + (head if chunked else 0.0)
+    if kept:
+        # the top layer's forward copies its parameters out of its all-gather's buffer while the layer
+        # below's buffer is still alive: every layer's own and two buffers, beside what the layers
+        # below saved, the top layer's input and the gradients already there (accumulating)
+        terms = activation_terms(shape, setup)
+        below = terms.kept - (terms.head - terms.ids) - (0.0 if terms.segments else terms.layer - terms.input)
+        moments["forward of the top layer"] = (moments["end of forward"] - terms.end_of_forward + below
+                                               + fsdp.root + (L + 2) * G)
+    gathered = L * G if kept else G  # as backward starts (ZeRO-3: the top layer, which the root gathers)
+    # as forward ends, the top layer's all-gather buffer is still alive (ZeRO-2: beside every layer's own)
+    moments["end of forward"] += fsdp.root + gathered + (G if kept else 0.0)
+    moments["start of backward"] += fsdp.root + gathered + (head if chunked else 0.0)
     if "backward of the LM head" in moments:
-        moments["backward of the LM head"] += fsdp.root + G + head
+        moments["backward of the LM head"] += fsdp.root + gathered + head
     if "summing the LM head's gradient" in moments:
-        moments["summing the LM head's gradient"] += fsdp.root + G + 3 * head
+        moments["summing the LM head's gradient"] += fsdp.root + gathered + 3 * head
     held = fsdp.root + head
 
-    def layer(before: float, above: float, gathered_after: float) -> float:
-        # as the unit's backward starts (its layers gathered, and one more), or when its top layer's
-        # backward ends: what that layer saved or rebuilt freed, its gradients whole
+    def layer(before: float, above: float, below: int, gathered_after: float) -> float:
+        # as the unit's backward starts (its layers gathered, and one more; ZeRO-2: its and all below,
+        # `below` layers), or when its top layer's backward ends: what that layer saved or rebuilt
+        # freed, its gradients whole
+        if kept:
+            return held + above + (k + below) * G + max(before, before - layer_saves + R)
         return held + above + max(before + (k + 1) * G, before - layer_saves + gathered_after + R)
 
     top, bottom = moments[f"backward of the top {unit}"], moments[f"backward of the bottom {unit}"]
-    moments[f"backward of the top {unit}"] = layer(top, 0.0, max(k, 2) * G)
-    moments[f"backward of the bottom {unit}"] = layer(bottom, R, k * G)  # it prefetches nothing
+    moments[f"backward of the top {unit}"] = layer(top, 0.0, L - k, max(k, 2) * G)
+    moments[f"backward of the bottom {unit}"] = layer(bottom, R, 0, k * G)  # it prefetches nothing
     if units >= 3:
-        moments[f"backward of the {unit} below the top"] = layer(top - unit_saves + per_unit, R, max(k, 2) * G)
-        moments[f"backward of the {unit} above the bottom"] = layer(bottom + unit_saves - per_unit, R,
+        moments[f"backward of the {unit} below the top"] = layer(top - unit_saves + per_unit, R, max(L - 2 * k, 0),
+                                                                 max(k, 2) * G)
+        moments[f"backward of the {unit} above the bottom"] = layer(bottom + unit_saves - per_unit, R, k,
                                                                     max(k, 2) * G)
     # the embedding's backward: the root gathered, its gradients whole (and with tied embeddings the
     # head's share and the embedding's beside their sum, with accumulation the new one beside the old),
@@ -736,6 +762,21 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
                 notes.append("ZeRO-3 with accumulation: counted as FSDP2's default, a reduce-scatter after every "
                              "micro-batch; set_requires_gradient_sync(False) keeps every gradient whole between "
                              f"them instead (+{held * prec.grad_bytes * (1 - 1 / n) / 1e9:.3f} GB)")
+    fsdp2_zero2_peak = 0.0
+    if setup.zero_stage == 2 and n > 1 and shape is not None and setup.seq_len:
+        # PyTorch has no DeepSpeed-style stage 2: FSDP2 with reshard_after_forward=False is its ZeRO-2
+        root_elem, root_grad_elem = (frozen_elem, 0) if setup.lora_rank else (prec.weight_bytes, prec.grad_bytes)
+        kept = fsdp_whole_bytes(shape, setup, param_bytes, held * prec.grad_bytes, root_elem, root_grad_elem)
+        fsdp2_moments = step_moments(shape, setup, held, grad_bytes, temporaries, 0.0, kept)
+        fsdp2_zero2_peak = param_bytes / n + opt_bytes + kv + max(fsdp2_moments.values())
+        notes.append(f"ZeRO-2 counted as DeepSpeed runs it, the whole parameters on every GPU all the time; "
+                     f"FSDP2 with reshard_after_forward=False keeps only their shard between steps, but from a "
+                     f"layer's forward to its backward the whole layer, and each layer's gradients whole until "
+                     f"its reduce-scatter: peak {fsdp2_zero2_peak / 1e9:.3f} GB")
+        if setup.checkpointing and setup.checkpoint_every > 1:
+            notes.append("ZeRO-2 with checkpointed segments of several layers: FSDP2 under gpulab's "
+                         "checkpoint_in_segments was measured holding up to 15% more than its peak above on a "
+                         "CPU; transformers' per-layer checkpointing matches it")
     moments = step_moments(shape, setup, held, grad_bytes, temporaries, buckets, fsdp)
     moment = max(moments, key=moments.__getitem__)
     return MemoryEstimate(
@@ -749,4 +790,5 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
         peak=round(param_bytes + opt_bytes + kv + moments[moment]),
         peak_moment=moment,
         notes=tuple(notes),
+        fsdp2_zero2_peak=round(fsdp2_zero2_peak),
     )
