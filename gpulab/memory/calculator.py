@@ -743,13 +743,14 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
                      f"keeps the gathered block inputs: +{extra / 1e9:.3f} GB")
     if not setup.seq_len:
         notes.append("activations not counted (no sequence length given)")
+    # FSDP2's root (embedding, final norm, LM head): frozen under LoRA, else trained in the policy's dtypes
+    root_elem, root_grad_elem = (frozen_elem, 0) if setup.lora_rank else (prec.weight_bytes, prec.grad_bytes)
     fsdp = None
     if setup.zero_stage == 3 and n > 1:
         if shape is None or not setup.seq_len:
             notes.append("ZeRO-3: the layers gathered during forward and backward are counted in the peak only "
                          "with a model shape and a sequence length")
         else:
-            root_elem, root_grad_elem = (frozen_elem, 0) if setup.lora_rank else (prec.weight_bytes, prec.grad_bytes)
             fsdp = fsdp_whole_bytes(shape, setup, param_bytes * n, held * prec.grad_bytes, root_elem, root_grad_elem)
             notes.append("ZeRO-3 as FSDP2 runs it: the peak counts the root's and two layers' whole parameters, "
                          "and a layer's whole gradients in its reduce-scatter's input")
@@ -765,7 +766,6 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     fsdp2_zero2_peak = 0.0
     if setup.zero_stage == 2 and n > 1 and shape is not None and setup.seq_len:
         # PyTorch has no DeepSpeed-style stage 2: FSDP2 with reshard_after_forward=False is its ZeRO-2
-        root_elem, root_grad_elem = (frozen_elem, 0) if setup.lora_rank else (prec.weight_bytes, prec.grad_bytes)
         kept = fsdp_whole_bytes(shape, setup, param_bytes, held * prec.grad_bytes, root_elem, root_grad_elem)
         fsdp2_moments = step_moments(shape, setup, held, grad_bytes, temporaries, 0.0, kept)
         fsdp2_zero2_peak = param_bytes / n + opt_bytes + kv + max(fsdp2_moments.values())
