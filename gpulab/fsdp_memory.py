@@ -105,7 +105,10 @@ def fsdp_step_peak_bytes(shape: ModelShape, setup: TrainingSetup, device: torch.
     sharded parameters and AdamW's states, no gradients (`zero_grad(set_to_none=True)`).
     `setup` gives the precision ("fp32" or "bf16-pure"), micro-batch, sequence length and checkpointing:
     `transformers`' own per layer for `checkpoint_every=1`, `gpulab.checkpointing.checkpoint_in_segments`
-    for more. The step is fused AdamW's, on unpadded batches, with SDPA."""
+    for more. The step is fused AdamW's, on unpadded batches, with SDPA. On CUDA in fp32 give a shape
+    without grouped-query attention (`num_kv_heads == num_heads`): SDPA has no fused kernel for it without
+    a mask there and falls back to its math kernel, which saves whole attention matrices that the
+    calculator's SDPA does not count."""
     if setup.precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)} (the parameters' dtype), got {setup.precision!r}")
     unmeasured = {name: getattr(setup, name) for name, default in UNMEASURED.items() if getattr(setup, name) != default}
