@@ -766,8 +766,8 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     fsdp2_zero2_peak = 0.0
     if setup.zero_stage == 2 and n > 1 and shape is not None and setup.seq_len:
         # PyTorch has no DeepSpeed-style stage 2: FSDP2 with reshard_after_forward=False is its ZeRO-2
-        whole = fsdp_whole_bytes(shape, setup, param_bytes, held * prec.grad_bytes, root_elem, root_grad_elem)
-        fsdp2_moments = step_moments(shape, setup, held, grad_bytes, temporaries, 0.0, whole)
+        fsdp2_whole = fsdp_whole_bytes(shape, setup, param_bytes, held * prec.grad_bytes, root_elem, root_grad_elem)
+        fsdp2_moments = step_moments(shape, setup, held, grad_bytes, temporaries, 0.0, fsdp2_whole)
         fsdp2_zero2_peak = param_bytes / n + opt_bytes + kv + max(fsdp2_moments.values())
         notes.append(f"ZeRO-2 counted as DeepSpeed runs it, the whole parameters on every GPU all the time; "
                      f"FSDP2 with reshard_after_forward=False keeps only their shard between steps, but from a "
