@@ -70,10 +70,38 @@ def _matmul_scratch(mem: list[dict], events: list[dict]) -> set[int]:
     return scratch
 
 
-def cpu_allocated_bytes(prof: profile, mark: str | None = None) -> tuple[int, int, int | None]:
+def _unrecorded_frees(mem: list[dict], events: list[dict], owner: str) -> list[dict]:
+    """Free events for the blocks allocated inside a `record_function(owner)` span that no recorded event
+    frees, placed at the span's end. The profiler records an allocator event only on a thread that carries
+    its state: a block whose last reference another thread drops (gloo's worker, done with a collective)
+    is freed unseen, and would count as held to the end of the trace. A span named `owner` promises that
+    whatever it allocated and did not hand back is gone by its end."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
+                   if e.get("name") == owner and e.get("ph") == "X")
+    live: dict[object, dict] = {}
+    unfreed = []
+    for e in sorted(mem, key=lambda e: e["ts"]):
+        addr = e["args"].get("Addr")
+        if e["args"]["Bytes"] > 0:
+            if addr in live:  # the address came back from the allocator: its last block was freed unseen
+                unfreed.append(live[addr])
+            live[addr] = e
+        else:
+            live.pop(addr, None)
+    extra = []
+    for e in unfreed + list(live.values()):
+        end = next((end for start, end, tid in spans if start <= e["ts"] <= end and tid == e.get("tid")), None)
+        if end is not None:
+            extra.append({"ts": end, "tid": e.get("tid"), "args": {**e["args"], "Bytes": -e["args"]["Bytes"]}})
+    return extra
+
+
+def cpu_allocated_bytes(prof: profile, mark: str | None = None,
+                        owner: str | None = None) -> tuple[int, int, int | None]:
     """(bytes allocated when `prof` started, the most while it ran, at the start of the first
     `record_function(mark)`) from the CPU allocator's events, leaving out the scratch that matmul
-    kernels allocate and free within one call (`MATMULS`' comment says why)."""
+    kernels allocate and free within one call (`MATMULS`' comment says why). Blocks allocated inside a
+    `record_function(owner)` span and never seen freed count as freed at its end (`_unrecorded_frees`)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -81,8 +109,8 @@ def cpu_allocated_bytes(prof: profile, mark: str | None = None) -> tuple[int, in
         events = load_trace(path)
     finally:
         os.remove(path)
-    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-                 key=lambda e: e["ts"])
+    mem = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
+    mem = sorted(mem + (_unrecorded_frees(mem, events, owner) if owner else []), key=lambda e: e["ts"])
     scratch = _matmul_scratch(mem, events)
     # 'Total Allocated' is the allocator's running total after each event; it counts the scratch
     start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]

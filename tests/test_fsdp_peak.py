@@ -14,11 +14,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpulab.fsdp_memory import fsdp_step_peak_bytes
+from gpulab.fsdp_memory import cpu_allocated_bytes, fsdp_step_peak_bytes
 from gpulab.memory import ModelShape, TrainingSetup, estimate
 
 TINY = ModelShape(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2)
@@ -147,3 +150,22 @@ def test_bf16_peak_leaves_out_the_cpu_matmuls_scratch():
         peaks[isa] = int(proc.stdout.split()[-1])
     print(peaks)
     assert len(set(peaks.values())) == 1, peaks
+
+
+def test_a_block_freed_unseen_inside_an_owner_span_counts_as_freed_at_its_end():
+    """The profiler records no allocator event on a thread without its state (a plain thread here, gloo's
+    worker in lab 12), so a block freed there stays in the count; `owner` ends it with its span."""
+    held = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("collective"):
+            held.append(torch.ones(1 << 18))  # 1 MiB, made here and dropped by another thread
+            releaser = threading.Thread(target=held.clear)
+            releaser.start()
+            releaser.join()
+        step = torch.ones(1 << 16)  # 256 KiB, still held at the mark
+        with record_function("mark"):
+            pass
+    start, peak, at_mark = cpu_allocated_bytes(prof, mark="mark", owner="collective")
+    assert step.numel() and not held
+    # without the span's end as the free, the mark would find 1 MiB + 256 KiB held
+    assert (peak - start, at_mark - start) == (1 << 20, 1 << 18), (peak - start, at_mark - start)
