@@ -35,6 +35,7 @@ On two nodes (run on each, node-rank 0 and 1):
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 from collections import defaultdict
 
@@ -132,6 +133,44 @@ class Traffic:
         return fut.then(lambda f: f.value()[0])
 
 
+def _storage_refs(tensors) -> dict[int, int]:
+    """How many tensors share each storage behind `tensors` (the storage's use count)."""
+    return {t.untyped_storage()._cdata: torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors}
+
+
+SETTLED = "settled collective"
+
+
+def settled(collective):
+    """`collective` (output, input, ...) run to completion inside a `record_function(SETTLED)` span that
+    ends once gloo is done with it. The CPU profiler records an allocator event only on a thread that
+    carries its state; a gloo worker carries it while it runs a collective, not when it drops the
+    collective's work afterwards. Whatever the worker held last was freed unseen and counted as held for
+    the rest of the step: in CI one rank's forward/backward boundary came out a root unit (1.05 MB) high,
+    and gloo's copy of each reduce-scatter's input stayed in the count. So gloo gets views of FSDP2's
+    tensors, and the span waits until the views are gone: the work is freed, FSDP2's own tensors are
+    freed on this thread (recorded), and the copies gloo made inside the span are freed by its end
+    (`cpu_allocated_bytes(owner=SETTLED)` counts them so)."""
+    output_name, input_name = list(inspect.signature(collective).parameters)[:2]
+
+    def call(*args, **kwargs):
+        call_args = inspect.signature(collective).bind(*args, **kwargs).arguments
+        before = _storage_refs(call_args[name] for name in (output_name, input_name))
+        for name in (output_name, input_name):  # gloo's references go to views, apart from FSDP2's tensors
+            call_args[name] = call_args[name].view(call_args[name].shape)
+        call_args["async_op"] = True
+        with record_function(SETTLED):
+            collective(**call_args).wait()
+            del call_args  # this thread's references to the views
+            deadline = time.monotonic() + 60
+            while any(torch._C._storage_Use_Count(ptr) > n for ptr, n in before.items()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("gloo's worker thread kept a collective's tensors for 60 s after it finished")
+                time.sleep(1e-4)
+        return None  # done: FSDP2 waits only on a Work it gets back
+    return call
+
+
 def gathered_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters that are whole (gathered) right now: FSDP2 swaps a module's sharded
     DTensor parameters for plain unsharded tensors while they are gathered."""
@@ -153,13 +192,20 @@ def step_memory(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: 
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - rest
     else:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss = model(**batch).loss
-            gathered = gathered_bytes(model)
-            with record_function("backward"):
-                loss.backward()
+        saved = {name: getattr(dist, name) for name in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER)}
+        for name, collective in saved.items():
+            setattr(dist, name, settled(collective))
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                loss = model(**batch).loss
+                gathered = gathered_bytes(model)
+                with record_function("backward"):
+                    loss.backward()
+        finally:
+            for name, collective in saved.items():
+                setattr(dist, name, collective)
         # FSDP2 gathers by resizing storages, which tensor-level tracking (gpulab.live_bytes) misses
-        start, at_peak, at_boundary = cpu_allocated_bytes(prof, mark="backward")
+        start, at_peak, at_boundary = cpu_allocated_bytes(prof, mark="backward", owner=SETTLED)
         boundary, peak = at_boundary - start, at_peak - start
     model.zero_grad(set_to_none=True)
     return {"boundary_bytes": boundary, "peak_bytes": peak, "gathered_bytes": gathered}
