@@ -71,16 +71,17 @@ def _matmul_scratch(mem: list[dict], events: list[dict]) -> set[int]:
 
 
 def _unrecorded_frees(mem: list[dict], events: list[dict], owner: str) -> list[dict]:
-    """Free events for the blocks allocated inside a `record_function(owner)` span that no recorded event
-    frees, placed at the span's end. The profiler records an allocator event only on a thread that carries
-    its state: a block whose last reference another thread drops (gloo's worker, done with a collective)
-    is freed unseen, and would count as held to the end of the trace. A span named `owner` promises that
-    whatever it allocated and did not hand back is gone by its end."""
+    """Free events for the blocks of `mem` (allocator events in time order) allocated inside a
+    `record_function(owner)` span that no recorded event frees, placed at the span's end. The profiler
+    records an allocator event only on a thread that carries its state: a block whose last reference
+    another thread drops (gloo's worker, done with a collective) is freed unseen, and would count as held
+    to the end of the trace. A span named `owner` promises that whatever it allocated and did not hand
+    back is gone by its end."""
     spans = sorted((e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
                    if e.get("name") == owner and e.get("ph") == "X")
     live: dict[object, dict] = {}
     unfreed = []
-    for e in sorted(mem, key=lambda e: e["ts"]):
+    for e in mem:
         addr = e["args"].get("Addr")
         if e["args"]["Bytes"] > 0:
             if addr in live:  # the address came back from the allocator: its last block was freed unseen
@@ -109,8 +110,10 @@ def cpu_allocated_bytes(prof: profile, mark: str | None = None,
         events = load_trace(path)
     finally:
         os.remove(path)
-    mem = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
-    mem = sorted(mem + (_unrecorded_frees(mem, events, owner) if owner else []), key=lambda e: e["ts"])
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+                 key=lambda e: e["ts"])
+    if owner:
+        mem = sorted(mem + _unrecorded_frees(mem, events, owner), key=lambda e: e["ts"])
     scratch = _matmul_scratch(mem, events)
     # 'Total Allocated' is the allocator's running total after each event; it counts the scratch
     start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, record_function
 
 from gpulab.fsdp_memory import cpu_allocated_bytes, fsdp_step_peak_bytes
 from gpulab.memory import ModelShape, TrainingSetup, estimate
+from gpulab.profiling import quiet_profile
 
 TINY = ModelShape(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2)
 WIDE = dataclasses.replace(TINY, hidden_size=512, intermediate_size=1376, num_heads=8, num_kv_heads=4)
@@ -156,7 +157,7 @@ def test_a_block_freed_unseen_inside_an_owner_span_counts_as_freed_at_its_end():
     """The profiler records no allocator event on a thread without its state (a plain thread here, gloo's
     worker in lab 12), so a block freed there stays in the count; `owner` ends it with its span."""
     held = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("collective"):
             held.append(torch.ones(1 << 18))  # 1 MiB, made here and dropped by another thread
             releaser = threading.Thread(target=held.clear)

@@ -135,7 +135,8 @@ class Traffic:
 
 def _storage_refs(tensors) -> dict[int, int]:
     """How many tensors share each storage behind `tensors` (the storage's use count)."""
-    return {t.untyped_storage()._cdata: torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors}
+    ptrs = [t.untyped_storage()._cdata for t in tensors]
+    return {ptr: torch._C._storage_Use_Count(ptr) for ptr in ptrs}
 
 
 SETTLED = "settled collective"
@@ -151,10 +152,11 @@ def settled(collective):
     tensors, and the span waits until the views are gone: the work is freed, FSDP2's own tensors are
     freed on this thread (recorded), and the copies gloo made inside the span are freed by its end
     (`cpu_allocated_bytes(owner=SETTLED)` counts them so)."""
-    output_name, input_name = list(inspect.signature(collective).parameters)[:2]
+    signature = inspect.signature(collective)
+    output_name, input_name = list(signature.parameters)[:2]
 
     def call(*args, **kwargs):
-        call_args = inspect.signature(collective).bind(*args, **kwargs).arguments
+        call_args = signature.bind(*args, **kwargs).arguments
         before = _storage_refs(call_args[name] for name in (output_name, input_name))
         for name in (output_name, input_name):  # gloo's references go to views, apart from FSDP2's tensors
             call_args[name] = call_args[name].view(call_args[name].shape)
