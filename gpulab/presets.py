@@ -33,7 +33,7 @@ PRESETS: dict[str, Preset] = {
         Preset("tiny", ModelShape(512, 256, 688, 4, 4, 2), 8, 64, 40, 3e-3,
                "3.2M params: seconds per lab on a laptop CPU"),
         Preset("small", ModelShape(32768, 768, 2048, 12, 12, 4), 16, 512, 200, 1e-3,
-               "126M params: a GPU with 8 GB or more"),
+               "126M params: a GPU with 16 GB or more"),  # lab 1's fp32 AdamW step peaks near 11.3 GB
         Preset("1b", KNOWN_SHAPES["llama3-1b"], 8, 1024, 100, 3e-4,
                # fp32 AdamW on 8 x 1024 tokens peaks near 54 GB (the calculator); lab 5's whole batch of
                # 16 sequences needs 93 GB, and labs 2 and 6 keep several models alive at once

@@ -4,7 +4,8 @@ that compare it with NF4 and FP4.
 int4 here is the simplest block-wise scheme: each block of `blocksize` consecutive weights (row-major,
 as bitsandbytes blocks them) is divided by its absolute maximum and rounded to the nearest of the 15
 evenly spaced levels -7/7 ... 7/7 (symmetric, so zero is exact; the 16th code, -8, is unused). NF4 puts
-its 16 levels at normal quantiles instead, FP4 (E2M1) at powers of two (QLoRA, Dettmers et al. 2023).
+its 16 levels at normal quantiles instead, FP4 (E2M1) at powers of two and 1.5 times powers of two
+(QLoRA, Dettmers et al. 2023).
 """
 
 from __future__ import annotations

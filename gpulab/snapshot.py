@@ -33,7 +33,7 @@ CATEGORIES = ("weights", "optimizer state", "other", "gradients", "activations",
 class Event:
     action: str  # "alloc" or "free"
     addr: int  # storage (CPU) or allocator block (CUDA) address
-    size: int  # bytes; on CUDA the block's size, rounded up to a multiple of 512
+    size: int  # bytes; on CUDA the bytes requested (the allocator's block may be larger)
 
 
 @dataclass

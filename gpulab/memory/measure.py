@@ -1,8 +1,9 @@
 """Measure memory from the tensors themselves, so the numbers mean the same on a CPU and a GPU.
 
 On CUDA the caching allocator also reports a peak (`torch.cuda.max_memory_allocated`): every tensor
-alive, temporaries included, each block rounded up to 512 bytes (cached blocks and fragmentation
-show in `memory_reserved`); on a CPU there is no such counter, so we count bytes of the tensors
+alive, temporaries included, each in the block the allocator gave it (rounded up to 512 bytes, and up
+to 1 MiB above the request for blocks over 1 MiB; cached blocks and fragmentation show in
+`memory_reserved`); on a CPU there is no such counter, so we count bytes of the tensors
 that make up each part of training. Tensors that share storage are counted once.
 """
 
