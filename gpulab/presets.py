@@ -42,13 +42,29 @@ PRESETS: dict[str, Preset] = {
 }
 
 ENV_VAR = "GPULAB_PRESET"
+# The smallest GPU that `auto` gives `small`: lab 1's fp32 AdamW step on small peaks near 11.3 GB by
+# the calculator, before the CUDA context. A card sold as 16 GB (a T4: 15,360 MiB) passes; 12 GB does not.
+SMALL_MIN_GPU_BYTES = 14 * 10**9
+
+
+def cuda_total_bytes(device: torch.device) -> int | None:
+    """Total memory of a CUDA device, None where there is none to ask (no CUDA, or not a CUDA device)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def get_preset(name: str | None = None, device: torch.device | None = None) -> Preset:
-    """The preset `name`, else $GPULAB_PRESET, else `tiny` on CPU/MPS and `small` on CUDA."""
+    """The preset `name`, else $GPULAB_PRESET, else `tiny` on CPU/MPS and `small` on CUDA (`tiny`, with
+    a note, on a GPU too small for `small`)."""
     name = name or os.environ.get(ENV_VAR) or "auto"
     if name == "auto":
         name = "small" if device is not None and device.type == "cuda" else "tiny"
+        total = cuda_total_bytes(device) if device is not None else None
+        if name == "small" and total is not None and total < SMALL_MIN_GPU_BYTES:
+            name = "tiny"
+            print(f"note: this GPU has {total / 1e9:.1f} GB, less than the {SMALL_MIN_GPU_BYTES / 1e9:.0f} GB "
+                  f"the 'small' preset needs; running 'tiny' instead (set {ENV_VAR}=small to try anyway).")
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (from the parameters cell or ${ENV_VAR}); "
                          f"choose one of: {', '.join(PRESETS)}")
