@@ -92,7 +92,8 @@ def record_and_allreduce(state: CommRecorder, bucket: dist.GradBucket) -> torch.
 
 def bf16_compress(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """`default_hooks.bf16_compress_hook` under another name: DDP refuses a hook *named* so unless torch
-    was built for a GPU (CUDA or ROCm) with NCCL 2.10+ or for XPU with XCCL, but gloo all-reduces bf16 too, so CPU processes can run it."""
+    was built for a GPU (CUDA or ROCm) with NCCL 2.10+ or runs on an XPU with XCCL, but gloo all-reduces
+    bf16 too, so CPU processes can run it."""
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
