@@ -47,8 +47,8 @@ def device_name(device: torch.device) -> str:
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of a CUDA device; None elsewhere."""
-    if device.type == "cuda":
+    """Total memory of a CUDA device; None elsewhere (and for a CUDA device where torch has no CUDA)."""
+    if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).total_memory
     return None
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpulab import env
 from gpulab.memory.shapes import KNOWN_SHAPES, ModelShape
 
 
@@ -47,21 +48,14 @@ ENV_VAR = "GPULAB_PRESET"
 SMALL_MIN_GPU_BYTES = 14 * 10**9
 
 
-def cuda_total_bytes(device: torch.device) -> int | None:
-    """Total memory of a CUDA device, None where there is none to ask (no CUDA, or not a CUDA device)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(device).total_memory
-
-
 def get_preset(name: str | None = None, device: torch.device | None = None) -> Preset:
     """The preset `name`, else $GPULAB_PRESET, else `tiny` on CPU/MPS and `small` on CUDA (`tiny`, with
     a note, on a GPU too small for `small`)."""
     name = name or os.environ.get(ENV_VAR) or "auto"
     if name == "auto":
+        total = env.device_memory_bytes(device) if device is not None else None  # None off CUDA
         name = "small" if device is not None and device.type == "cuda" else "tiny"
-        total = cuda_total_bytes(device) if device is not None else None
-        if name == "small" and total is not None and total < SMALL_MIN_GPU_BYTES:
+        if total is not None and total < SMALL_MIN_GPU_BYTES:
             name = "tiny"
             print(f"note: this GPU has {total / 1e9:.1f} GB, less than the {SMALL_MIN_GPU_BYTES / 1e9:.0f} GB "
                   f"the 'small' preset needs; running 'tiny' instead (set {ENV_VAR}=small to try anyway).")

@@ -56,11 +56,11 @@ def test_presets_env_override_and_errors(monkeypatch):
 def test_auto_preset_falls_back_to_tiny_on_a_small_gpu(monkeypatch, capsys):
     monkeypatch.delenv(presets.ENV_VAR, raising=False)
     cuda = torch.device("cuda")
-    monkeypatch.setattr(presets, "cuda_total_bytes", lambda device: 12_884_901_888)  # 12,288 MiB
+    monkeypatch.setattr(env, "device_memory_bytes", lambda device: 12_884_901_888)  # 12,288 MiB
     assert presets.get_preset(device=cuda).name == "tiny"
     assert "12.9 GB, less than the 14 GB" in capsys.readouterr().out
     assert presets.get_preset("small", device=cuda).name == "small"  # asked for by name: no fallback
-    monkeypatch.setattr(presets, "cuda_total_bytes", lambda device: 16_106_127_360)  # a T4, 15,360 MiB
+    monkeypatch.setattr(env, "device_memory_bytes", lambda device: 16_106_127_360)  # a T4, 15,360 MiB
     assert presets.get_preset(device=cuda).name == "small"
     assert capsys.readouterr().out == ""
 
