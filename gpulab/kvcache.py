@@ -21,7 +21,7 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if cache is None:
         raise ValueError("no cache: was the model run with use_cache=True?")
     layers = getattr(cache, "layers", None)
-    if layers is not None:  # transformers >= 4.56: a Cache of CacheLayer objects
+    if layers is not None:  # transformers 5 (and late 4.x): a Cache holds one layer object per layer
         pairs = [(layer.keys, layer.values) for layer in layers]
     else:  # the legacy format: a tuple of (key, value) per layer
         pairs = [(k, v) for k, v in cache]

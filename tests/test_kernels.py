@@ -32,6 +32,18 @@ def test_nvrtc_compiles_every_launched_instance_for_each_arch():
         assert set(r.lowered_names) == set(cuda_kernel_names()) and r.cubin_bytes > 0
 
 
+# GPUs readers run the labs on beyond the course's A100/H100 targets: Colab's T4 (sm_75), A10 and RTX 30
+# (sm_86), L4 and RTX 40 (sm_89), B200 (sm_100), RTX 50 (sm_120). On a GPU, load_inline builds for that GPU.
+OTHER_CUDA_ARCHS = ("sm_75", "sm_86", "sm_89", "sm_100", "sm_120")
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_launched_instance_for_other_gpus():
+    for r in check_cuda_sources(archs=OTHER_CUDA_ARCHS):
+        assert r.ok, f"{r.arch}: {r.log}"
+        assert set(r.lowered_names) == set(cuda_kernel_names()) and r.cubin_bytes > 0
+
+
 @needs_nvrtc
 def test_nvrtc_reports_errors_with_line_numbers():
     broken = source("swiglu_kernels.cuh").replace("expf(-x)", "expf(-x", 1)
@@ -159,20 +171,22 @@ def test_fuse_swiglu_refuses_models_without_a_silu_mlp(cpu_kernels):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton has Linux wheels only")
-def test_triton_kernels_compile_for_the_h100():
+def test_triton_kernels_compile_for_each_gpu_generation():
     # The interpreter runs the kernels' Python with NumPy and forgives what the compiler does not (types,
-    # layouts): compile both for sm_90 (H100, H200) in each dtype lab 4 uses, ahead of time, no GPU needed.
+    # layouts): compile both in each dtype lab 4 uses, ahead of time, no GPU needed, for the H100 and H200
+    # (sm_90), the A100 (sm_80) and the other GPUs of OTHER_CUDA_ARCHS.
+    capabilities = [int(arch[3:]) for arch in (*CUDA_ARCHS, *OTHER_CUDA_ARCHS)]
     script = (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "from gpulab.kernels import swiglu_triton as st\n"
-        "for dtype in ('fp32', 'bf16', 'fp16'):\n"
+        f"for capability, dtype in [(c, d) for c in {capabilities} for d in ('fp32', 'bf16', 'fp16')]:\n"
         "    for kernel, pointers in ((st.swiglu_forward_kernel, 3), (st.swiglu_backward_kernel, 5)):\n"
         "        names = kernel.arg_names\n"
         "        signature = {**{a: '*' + dtype for a in names[:pointers]}, 'n': 'i32', 'BLOCK': 'constexpr'}\n"
         "        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={'BLOCK': st.BLOCK}),\n"
-        "                                  target=GPUTarget('cuda', 90, 32))\n"
+        "                                  target=GPUTarget('cuda', capability, 32))\n"
         "        assert len(compiled.asm['cubin']) > 0\n"
         "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
