@@ -6,7 +6,7 @@
 // intermediate silu(gate) to global memory and reads it back; here it stays in a register.
 //
 // Each thread handles VEC consecutive elements: VEC * sizeof(T) = 16 bytes, one 128-bit load per input,
-// the widest load a thread can issue. The host picks VEC = 1 when a pointer is not 16-byte aligned.
+// the widest a thread can issue before Blackwell (sm_100 has 256-bit loads). The host picks VEC = 1 for unaligned data.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
