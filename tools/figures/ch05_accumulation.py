@@ -89,10 +89,10 @@ def draw() -> Figure:
     full_gb, micro_gb = activations_gb(K), activations_gb(1)
     bottom.fill_between(t, _activation_trace(full, full_gb, t), color=FULL_COLOR, alpha=0.25, lw=0)
     bottom.plot(t, _activation_trace(full, full_gb, t), color=FULL_COLOR, lw=1.6,
-                label=f"one batch of {K}: peak {full_gb:.1f} GB")
+                label=f"one batch of {K}: at most {full_gb:.1f} GB")
     bottom.fill_between(t, _activation_trace(micro, micro_gb, t), color=MICRO_COLOR, alpha=0.35, lw=0)
     bottom.plot(t, _activation_trace(micro, micro_gb, t), color=MICRO_COLOR, lw=1.6,
-                label=f"{K} micro-batches of 1: peak {micro_gb:.1f} GB")
+                label=f"{K} micro-batches of 1: at most {micro_gb:.1f} GB")
     bottom.set_ylabel("saved activations\n(GB = 10$^9$ bytes)")
     bottom.set_xlabel("time (schematic: a backward takes twice a forward)")
     bottom.set_xticks([])
