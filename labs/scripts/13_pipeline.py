@@ -60,14 +60,23 @@ class Recorder:
         self.t0 = t0.item()
 
     def forward(self, mb: int, fn):
-        seen: set[int] = set()
+        seen: set[tuple[int, ...]] = set()
         self.held_bytes[mb] = 0
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = t.untyped_storage().data_ptr()
-            if key not in self.param_ptrs and key not in seen:  # weights are not activations
+            storage = t.untyped_storage()
+            if storage.data_ptr() in self.param_ptrs:  # weights are not activations
+                return t
+            # A tensor saved whole counts its storage once. A slice of a larger buffer (stage 0's
+            # micro-batch of the input batch, the last stage's of the targets) counts its own bytes:
+            # the buffer is shared by every micro-batch, so its whole size per micro-batch would count
+            # it M times.
+            view_bytes = t.numel() * t.element_size()
+            whole = view_bytes >= storage.nbytes()
+            key = (storage.data_ptr(),) if whole else (storage.data_ptr(), t.storage_offset(), t.numel())
+            if key not in seen:
                 seen.add(key)
-                self.held_bytes[mb] += t.untyped_storage().nbytes()
+                self.held_bytes[mb] += storage.nbytes() if whole else view_bytes
             return t
 
         start = time.time()
