@@ -1,7 +1,7 @@
 """DistributedDataParallel on the course's tiny Llama: gradients, buckets, overlap and `no_sync`.
 
 Every rank takes its share of one combined batch; rank 0 also computes the single-process gradients
-of the whole combined batch as the reference. Three experiments in one launch (torchrun start-up costs
+of the whole combined batch as the reference. Five experiments in one launch (torchrun start-up costs
 seconds):
 
 1. DDP's averaged gradients equal the reference when each rank's loss is normalised by the *global*

@@ -108,7 +108,8 @@ class ReduceFromRegion(torch.autograd.Function):
 
 
 class ScatterToSequence(torch.autograd.Function):
-    """Sequence parallelism's g-bar: reduce-scatter forward (sum and split the sequence), all-gather backward."""
+    """Sequence parallelism's g (Korthikanti et al.'s g-bar): reduce-scatter forward (sum and split the sequence),
+    all-gather backward."""
 
     @staticmethod
     def forward(ctx, x):
@@ -144,10 +145,11 @@ class GatherSequence(torch.autograd.Function):
 
 
 class GatheredLinears(torch.autograd.Function):
-    """Sequence parallelism's g with the block's first (column-parallel) linears: all-gather the input on the
-    sequence, multiply it by each weight shard, and keep only the input's shard for backward, where it is
-    gathered again (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication does the same). The input
-    gradient, summed over the linears, is reduce-scattered back to the sequence shards."""
+    """Sequence parallelism's f (Korthikanti et al.'s g) with the block's first (column-parallel) linears:
+    all-gather the input on the sequence, multiply it by each weight shard, and keep only the input's shard
+    for backward, where it is gathered again (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication
+    does the same). The input gradient, summed over the linears, is reduce-scattered back to the sequence
+    shards."""
 
     @staticmethod
     def forward(ctx, x_shard, *weights):
