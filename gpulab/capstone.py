@@ -102,6 +102,14 @@ def checkpoint_path(value: str | None = None) -> str | None:
     return path or None
 
 
+def checkpoint_shape(checkpoint: str) -> ModelShape:
+    """The shape of the checkpoint at `checkpoint`, from its config.json (no weights read, no remote code):
+    what the calculator plans for when a lab fine-tunes a real checkpoint."""
+    from transformers import AutoConfig
+
+    return ModelShape.from_config(AutoConfig.from_pretrained(checkpoint, trust_remote_code=False))
+
+
 def load_base(checkpoint: str | None, shape: ModelShape, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> torch.nn.Module:
     """The model to fine-tune: the checkpoint at `checkpoint` (a local directory of safetensors, loaded
