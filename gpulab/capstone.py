@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import AutoConfig, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from gpulab.data import IGNORE_INDEX, Example, train_tokenizer
 from gpulab.kbit_upcast import kbit_upcast_bytes
@@ -105,8 +105,6 @@ def checkpoint_path(value: str | None = None) -> str | None:
 def checkpoint_shape(checkpoint: str) -> ModelShape:
     """The shape of the checkpoint at `checkpoint`, from its config.json (no weights read, no remote code):
     what the calculator plans for when a lab fine-tunes a real checkpoint."""
-    from transformers import AutoConfig
-
     return ModelShape.from_config(AutoConfig.from_pretrained(checkpoint, trust_remote_code=False))
 
 

@@ -25,13 +25,12 @@ def test_load_base_reads_a_checkpoint_the_test_saved_itself(tmp_path):
     loaded = load_base(str(tmp_path), SHAPE, dtype=torch.float32).eval()
     ids = torch.randint(0, 128, (2, 7))
     with torch.no_grad():
-                torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
     # the shape the calculator plans for is the checkpoint's own, read from its config.json
     shape = checkpoint_shape(str(tmp_path))
     assert (shape.vocab_size, shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.num_heads,
             shape.num_kv_heads) == (128, 64, 128, 2, 4, 2)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
-
 
 
 def test_load_base_without_a_checkpoint_is_random_init_of_the_shape():
