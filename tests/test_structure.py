@@ -46,6 +46,16 @@ def test_every_chapter_has_its_lab_and_both_are_in_the_toc():
         assert any(c.name[:2] == lab.name[:2] for c in CHAPTERS), f"{lab.name} has no chapter"
 
 
+def test_readme_lists_every_chapter_and_lab_in_one_table():
+    # a blank line inside a Markdown table ends it: the rows after it render as plain text with pipes
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| part |"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = "\n".join(lines[start:end])
+    for page in CHAPTERS + LABS:
+        assert f"({page.parent.name}/{page.name})" in table, f"README's table of chapters lacks {page.name}"
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
 def test_chapter_follows_the_style(chapter):
     text = chapter.read_text()
