@@ -22,5 +22,6 @@ def test_a_number_matches_its_output_in_another_unit_or_with_more_digits():
 def test_only_the_prose_is_read(tmp_path):
     chapter = tmp_path / "99-x.md"
     chapter.write_text("A step took 85.2 ms in 2026, `1.234` in code and $3.14$ in maths.\n"
-                       "```python\nx = 12.5\n```\n{cite:p}`a2020` measured 4.56 GB.\n")
-    assert [n for _, n in stale_numbers.prose_numbers(chapter)] == ["85.2", "4.56"]
+                       "```python\nx = 12.5\n```\n{cite:p}`a2020` measured 4.56 GB.\n"
+                       "$$\ny = 7.25\n$$\n$$ z = 1{,}129 $$\n$$\nw = 2.5\n$$ (eq-w)\nThen 3.75 s.\n")
+    assert [n for _, n in stale_numbers.prose_numbers(chapter)] == ["85.2", "4.56", "3.75"]

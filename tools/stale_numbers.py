@@ -28,13 +28,20 @@ INLINE_SKIP = re.compile(r"`[^`]*`|\$[^$]*\$|\{cite[^}]*\}`[^`]*`|\[[^\]]*\]\([^
 
 def prose_numbers(chapter: Path) -> list[tuple[int, str]]:
     """(line number, number as written) for the prose of a chapter."""
-    found, fence = [], None
+    found, fence, math = [], None, False
     for i, line in enumerate(chapter.read_text().splitlines(), 1):
         m = FENCE.match(line.strip())
         if m:
             fence = None if fence == m.group(1) else (fence or m.group(1))
             continue
-        if fence or line.strip().startswith(("$$", ":::", ":label:", ":width:", ":name:")):
+        text = line.strip()
+        if math:  # display maths over several lines, until the line that ends in $$
+            math = not re.search(r"\$\$(\s*\(\S+\))?$", text)
+            continue
+        if not fence and text.startswith("$$"):  # "$$ x $$" opens and closes; "$$" or "$$ x" opens
+            math = not re.fullmatch(r"\$\$.+\$\$(\s*\(\S+\))?", text)
+            continue
+        if fence or text.startswith((":::", ":label:", ":width:", ":name:")):
             continue
         for n in NUMBER.findall(INLINE_SKIP.sub(" ", line)):
             if not re.fullmatch(r"(19|20)\d\d", n):  # years
