@@ -45,10 +45,10 @@ def test_keep_probabilities_fall_linearly_with_depth():
         keep_probabilities(0.5, 0)
 
 
-def gated():
+def gated(seed=0):
     model = build_model(SHAPE)
     plain = copy.deepcopy(model)
-    schedule = add_layer_drop(model, theta_bar=0.5, gamma=0.01, seed=0)
+    schedule = add_layer_drop(model, theta_bar=0.5, gamma=0.01, seed=seed)
     return model, plain, schedule
 
 
@@ -127,8 +127,8 @@ def test_draws_follow_the_keep_probabilities():
 
 def test_same_seed_same_layers():
     draws = []
-    for _ in range(2):
-        model, _, schedule = gated()
+    for seed in (0, 0, 1):
+        model, _, schedule = gated(seed)
         schedule.set_theta(0.5)
         seen = []
         with torch.no_grad():
@@ -137,6 +137,7 @@ def test_same_seed_same_layers():
                 seen.append(tuple(schedule.last_ran()))
         draws.append(seen)
     assert draws[0] == draws[1]
+    assert draws[0] != draws[2], "another seed, other layers"
 
 
 def test_update_follows_the_schedule_and_remove_restores_the_model():

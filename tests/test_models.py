@@ -17,6 +17,8 @@ def test_build_is_seeded_and_honours_dtype():
     shape = PRESETS["tiny"].shape
     a, b = build_model(shape, seed=1), build_model(shape, seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    c = build_model(shape, seed=2)
+    assert any(not torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters())), "another seed, other weights"
     assert next(build_model(shape, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
 
 

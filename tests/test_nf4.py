@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gpulab.memory.calculator import quantized_bytes_per_param
-from gpulab.nf4 import constant_bits_per_param, dequantize_nf4, nf4_levels, quantize_nf4, unpack_codes
+from gpulab.nf4 import constant_bits_per_param, dequantize_nf4, nf4_levels, quantize_nf4
 
 F = pytest.importorskip("bitsandbytes.functional")
 
@@ -26,7 +26,6 @@ def test_codes_and_absmax_equal_bitsandbytes(shape):
     assert torch.equal(packed, ref) and torch.equal(absmax, state.absmax)
     table = F.get_4bit_type("nf4", device="cpu")
     assert torch.equal(dequantize_nf4(packed, absmax, w.shape, levels=table), F.dequantize_4bit(ref, state))
-    assert unpack_codes(packed, w.numel()).max() <= 15
 
 
 def test_round_trip_error_is_within_half_a_level_gap():

@@ -20,14 +20,19 @@ def test_first_fit_decreasing_fills_rows_and_keeps_every_sequence():
 
 
 def test_pack_restarts_positions_and_labels():
-    batch = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], capacity=6, pad_id=0)
+    seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    batch = pack(seqs, capacity=6, pad_id=0)
     assert batch.input_ids.shape == (2, 6)
+    assert sorted(i for members in batch.rows for i in members) == [0, 1, 2]
     for r, members in enumerate(batch.rows):
         start = 0
         for i in members:
-            n = [3, 2, 4][i]
+            n = len(seqs[i])
+            assert batch.input_ids[r, start:start + n].tolist() == seqs[i]
             assert batch.position_ids[r, start:start + n].tolist() == list(range(n))
             assert batch.labels[r, start] == IGNORE_INDEX  # no token predicts another sequence's start
+            # the rest are the sequence's own tokens (the model shifts them: position t predicts t + 1)
+            assert batch.labels[r, start + 1:start + n].tolist() == seqs[i][1:]
             assert (batch.sequence_ids[r, start:start + n] == i).all()
             start += n
         assert (batch.labels[r, start:] == IGNORE_INDEX).all()

@@ -25,7 +25,10 @@ def test_int4_codes_and_error_bound(shape):
 
 def test_int4_zero_block_and_exact_grid():
     w = torch.zeros(2, 64)
-    w[1] = torch.arange(-32, 32) / 32 * 7 / 7
+    w[1] = torch.arange(-32, 32) / 32
+    back = int4_roundtrip(w)
+    assert torch.equal(back[0], torch.zeros(64)), "an all-zero block comes back zero (absmax 0: no 0/0)"
+    assert (back[1] - w[1]).abs().max() <= 1 / 14 * (1 + 1e-6), "its neighbour within half a step"
     assert torch.equal(int4_roundtrip(torch.zeros(3, 64)), torch.zeros(3, 64))
     grid = (torch.arange(-7, 8).float() / 7).repeat(5)[:64].reshape(1, 64)
     assert torch.allclose(int4_roundtrip(grid), grid)

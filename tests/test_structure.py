@@ -2,6 +2,7 @@
 (install cell, banner, parameters cell, checks, stored outputs in order, nothing private or downloaded),
 with nbval's markers in cell tags, headings the book numbers, and long outputs folded."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -202,15 +203,35 @@ def check_calls(source: str) -> list[str]:
     return calls
 
 
+DEVICE = re.compile(r"\bon_gpu\b|\bmulti_gpu\b|\bpreset\.|device\.type|cuda\.is_available")
+
+
+def cell_tree(cell) -> ast.Module:
+    """A code cell's syntax tree (IPython's `%magic` and `!shell` lines left out)."""
+    lines = [line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))]
+    return ast.parse("\n".join(lines))
+
+
+def assigned_names(node: ast.AST) -> set[str]:
+    """Names that assignments in `node` bind (not loop or comprehension variables: those are re-bound
+    where they are used)."""
+    targets = [t for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets] + \
+        [n.target for n in ast.walk(node) if isinstance(n, (ast.AnnAssign, ast.AugAssign))]
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
 def device_dependent_names(nb) -> set[str]:
-    """Names assigned from the device or the preset (`X = ... if on_gpu else ...`, `X = preset.seq_len`)."""
-    names = set()
+    """Constants (upper-case names) assigned from the device or the preset (`X = ... if on_gpu else ...`,
+    `X = preset.seq_len`), or anywhere inside an `if` on the device (both branches), at any depth."""
+    names: set[str] = set()
     for cell in code_cells(nb):
-        for line in cell.source.splitlines():
-            m = re.match(r"([A-Z_][A-Z0-9_]*)\s*=\s*(.+)", line)
-            if m and re.search(r"\bon_gpu\b|\bpreset\.|device\.type|cuda\.is_available", m.group(2)):
-                names.add(m.group(1))
-    return names
+        for node in ast.walk(cell_tree(cell)):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
+                    and DEVICE.search(ast.unparse(node.value)):
+                names |= assigned_names(node)
+            elif isinstance(node, ast.If) and DEVICE.search(ast.unparse(node.test)):
+                names |= set().union(*(assigned_names(n) for n in node.body + node.orelse))
+    return {name for name in names if name.isupper()}
 
 
 @pytest.mark.parametrize("lab", LABS, ids=lambda p: p.name)
@@ -230,17 +251,11 @@ def test_checks_read_the_same_on_every_device(lab):
             if re.search(r"measured=.*if on_gpu else None", call, flags=re.S):
                 assert "skip=" in call, f"a measured bracket on one device only: {call[:120]}"
         # a check inside a loop over something device-dependent prints a device-dependent count of lines
-        lines = cell.source.splitlines()
-        for i, line in enumerate(lines):
-            loop = re.match(r"for .* in ([A-Z_][A-Z0-9_]*)\b", line)
-            if loop and loop.group(1) in varying:
-                body = []
-                for after in lines[i + 1:]:
-                    if after.strip() and not after.startswith((" ", "\t")):
-                        break
-                    body.append(after)
-                assert "check(" not in "\n".join(body), \
-                    f"checks inside a loop over {loop.group(1)}: the number of verdict lines differs by device"
+        for loop in (n for n in ast.walk(cell_tree(cell)) if isinstance(n, ast.For)):
+            over = {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)} & varying
+            calls = [n for stmt in loop.body + loop.orelse for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+            assert not (over and any(ast.unparse(c.func) == "check" for c in calls)), \
+                f"checks inside a loop over {', '.join(sorted(over))}: the number of verdict lines differs by device"
         for out in cell.get("outputs", []):
             for line in out.get("text", "").splitlines():
                 if line.startswith("PASS:"):
