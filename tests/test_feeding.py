@@ -84,4 +84,9 @@ def test_draw_timeline_puts_one_row_per_lane():
     draw_timeline(ax, spans, "t", lanes=["main", "worker 0"])
     assert [t.get_text() for t in ax.get_yticklabels()] == ["worker 0", "main"]  # bottom row first
     assert len(ax.collections) == 2
+    # each bar sits on its lane's row: (start in ms, centre of the bar's height) against the tick of its lane
+    rows = {label.get_text(): y for label, y in zip(ax.get_yticklabels(), ax.get_yticks())}
+    corners = [path.vertices for c in ax.collections for path in c.get_paths()]
+    bars = sorted((v[:, 0].min(), (v[:, 1].min() + v[:, 1].max()) / 2) for v in corners)
+    assert bars == [pytest.approx((0.0, rows["worker 0"])), pytest.approx((10.0, rows["main"]))]
     plt.close(fig)

@@ -1,5 +1,7 @@
 """Unit tests for gpulab's small modules: environment, presets, data, timing, checks, reports."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -7,20 +9,26 @@ from gpulab import checks, env, hardware, presets, report, timing
 from gpulab.data import IGNORE_INDEX, TASKS, encode, load_task, make_examples, train_tokenizer
 
 
-def test_pick_device_prefers_gpu_then_cpu(monkeypatch):
+def test_pick_device_prefers_gpu_then_mps_then_cpu(monkeypatch):
+    # fake what torch sees, so the order is checked on any machine
     monkeypatch.delenv("GPULAB_DEVICE", raising=False)
-    expected = "cuda" if torch.cuda.is_available() else None
-    device = env.pick_device()
-    assert device.type == (expected or device.type) and device.type in {"cuda", "mps", "cpu"}
-    assert env.pick_device("cpu").type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert env.pick_device().type == "cuda"
+    assert env.pick_device("cpu").type == "cpu"  # asked for, even with a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert env.pick_device().type == "mps"
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert env.pick_device().type == "cpu"
 
 
-def test_pick_device_explains_missing_cuda(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    monkeypatch.setenv("GPULAB_DEVICE", "cuda")
-    with pytest.raises(RuntimeError, match="no CUDA GPU"):
-        env.pick_device()
+def test_pick_device_explains_a_device_it_cannot_give(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    for asked, says in (("cuda", "no CUDA GPU"), ("mps", "no Apple GPU"), ("tpu", "use cpu, cuda")):
+        monkeypatch.setenv("GPULAB_DEVICE", asked)
+        with pytest.raises((RuntimeError, ValueError), match=says):
+            env.pick_device()
 
 
 def test_banner_names_device_and_versions():
@@ -90,10 +98,14 @@ def test_task_batches_have_shape():
     assert batch["input_ids"].shape == (8, 32)
 
 
-def test_benchmark_reports_median():
+def test_benchmark_reports_median(monkeypatch):
+    # a fake clock: the repeats take 1, 1, 1, 1 and 100 ms, so the median (1) is far from the mean (20.8)
+    ticks = iter([t for i, ms in enumerate([1, 1, 1, 1, 100]) for t in (i, i + ms / 1e3)])
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     calls = []
     t = timing.benchmark(lambda: calls.append(1), warmup=2, repeats=5)
-    assert len(calls) == 7 and t.min_ms <= t.median_ms <= t.max_ms and t.repeats == 5
+    assert len(calls) == 7 and t.repeats == 5
+    assert t.median_ms == pytest.approx(1.0) and t.min_ms == pytest.approx(1.0) and t.max_ms == pytest.approx(100.0)
     with pytest.raises(ValueError):
         timing.benchmark(lambda: None, repeats=0)
 
