@@ -67,6 +67,15 @@ def test_labs_past_the_deadline_are_logged_as_not_started(tmp_path):
     assert {r["status"] for r in json.loads(log.read_text())["labs"]} == {"not started (deadline)"}
 
 
+def test_a_lab_is_not_started_with_less_time_left_than_it_needs(tmp_path, monkeypatch):
+    labs = [notebook(tmp_path / f"{name}.ipynb", "pass") for name in ("quick", "long")]
+    monkeypatch.setitem(gpu_run.MIN_S, "long.ipynb", 200)
+    log = tmp_path / "run.json"
+    gpu_run.main([*map(str, labs), "--deadline", "120", "--log", str(log)])
+    assert {r["lab"]: r["status"] for r in json.loads(log.read_text())["labs"]} == \
+        {"quick.ipynb": "ok", "long.ipynb": "not started (deadline)"}
+
+
 def test_the_shell_entry_point_runs_and_names_missing_packages(tmp_path):
     script = str(ROOT / "tools" / "gpu-run.sh")
     env = {**os.environ, "PYTHON": sys.executable, "GPU_RUN_WHEELS": str(tmp_path)}
