@@ -14,6 +14,10 @@ from gpulab.plots import use_book_style
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes")
 
 
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
 def pick_device(prefer: str | None = None) -> torch.device:
     """CUDA, then Apple MPS, then CPU; `prefer` (or $GPULAB_DEVICE) forces one, e.g. "cpu"."""
     prefer = prefer or os.environ.get("GPULAB_DEVICE") or None
@@ -26,12 +30,12 @@ def pick_device(prefer: str | None = None) -> torch.device:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("GPULAB_DEVICE asks for cuda but torch sees no CUDA GPU "
                                f"(torch {torch.__version__}); unset it to run on the CPU")
-        if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        if device.type == "mps" and not _mps_available():
             raise RuntimeError("GPULAB_DEVICE asks for mps but torch sees no Apple GPU; unset it to run on the CPU")
         return device
     if torch.cuda.is_available():
         return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+    if _mps_available():
         return torch.device("mps")
     return torch.device("cpu")
 

@@ -48,11 +48,11 @@ PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelera
 #       --log $OUT/gpu-run.json          # with the device call's timeout_s at 590
 # Lab 19 runs alone, last: its largest rung takes over 60 GB of an 80 GB card (the calculator: a 1B
 # model in bf16, 16 conversations of up to 1024 tokens), and another lab beside it would run it out of
-# memory. Where the deadline leaves it less than its MIN_S (a reading of its code put it at 200-260 s on an
-# H200), it is not started and the next session runs it first: `--plan 19 ...` keeps only the labs named.
-# Seconds a lab needs at the least on an H100/H200 with `small` (estimates): where less is left before the
-# deadline it is not started, and the log says so (a lab cut off at its limit is stored half-run and cannot
-# be imported; not started, it is simply first in the next session's call).
+# memory. `--plan 19 ...` keeps only the labs named.
+# MIN_S: seconds a lab needs at the least on an H100/H200 with `small` (estimates; lab 19's code reads as
+# 200-260 s on an H200). With less left before the deadline a lab is not started and the log says so: cut
+# off at its limit it would be stored half-run, which cannot be imported; not started, it goes first in
+# the next session's call.
 MIN_S = {"19-capstone.ipynb": 240}
 PLAN = ["02,03,04,00,01,05,18", "11,12,13,after:04,07", "14,17,after:04,09,08", "after:04,10,06",
         "after:04,15,16", "after:18,after:07,after:08,after:06,after:16,19"]

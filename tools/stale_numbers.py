@@ -34,14 +34,16 @@ def prose_numbers(chapter: Path) -> list[tuple[int, str]]:
         if m:
             fence = None if fence == m.group(1) else (fence or m.group(1))
             continue
+        if fence:
+            continue
         text = line.strip()
         if math:  # display maths over several lines, until the line that ends in $$
             math = not re.search(r"\$\$(\s*\(\S+\))?$", text)
             continue
-        if not fence and text.startswith("$$"):  # "$$ x $$" opens and closes; "$$" or "$$ x" opens
+        if text.startswith("$$"):  # "$$ x $$" opens and closes; "$$" or "$$ x" opens
             math = not re.fullmatch(r"\$\$.+\$\$(\s*\(\S+\))?", text)
             continue
-        if fence or text.startswith((":::", ":label:", ":width:", ":name:")):
+        if text.startswith((":::", ":label:", ":width:", ":name:")):
             continue
         for n in NUMBER.findall(INLINE_SKIP.sub(" ", line)):
             if not re.fullmatch(r"(19|20)\d\d", n):  # years
