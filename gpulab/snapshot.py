@@ -52,7 +52,7 @@ class StepRecord:
     owners: list[tuple[str, str, set[int]]] = field(default_factory=list)
     source: str = ""
     cuda_snapshot: dict[str, Any] | None = None  # on CUDA: the allocator's snapshot, for memory_viz
-    allocated_after: int | None = None  # on CUDA: torch.cuda.memory_allocated() after the step
+    requested_after: int | None = None  # on CUDA: requested_bytes() after the step
 
 
 class LiveTensorRecorder(TorchDispatchMode):
@@ -94,11 +94,20 @@ class LiveTensorRecorder(TorchDispatchMode):
 def cuda_events(trace: list[Mapping[str, Any]]) -> list[Event]:
     """The allocations and frees of a CUDA snapshot's device trace (`_snapshot()["device_traces"][i]`).
 
-    A block counts as allocated from "alloc" to "free_completed" (the allocator may reuse it), as in
-    `torch.cuda.memory_allocated`; segment and snapshot entries are left out.
+    A block counts as allocated from "alloc" to "free_completed" (the allocator may reuse it), with
+    the size that was asked for, as in `requested_bytes`; segment and snapshot entries are left out.
     """
     kinds = {"alloc": "alloc", "free_completed": "free"}
     return [Event(kinds[e["action"]], int(e["addr"]), int(e["size"])) for e in trace if e["action"] in kinds]
+
+
+def requested_bytes(device: torch.device) -> int:
+    """Bytes the live CUDA allocations asked for: the sizes the allocator's history records.
+
+    `torch.cuda.memory_allocated` counts whole blocks instead: sizes rounded up to 512 B, and a cached
+    block up to 1 MiB larger than the request when the allocator does not split the rest off.
+    """
+    return int(torch.cuda.memory_stats(device)["requested_bytes.all.current"])
 
 
 def _sum_baseline(model: torch.nn.Module, optimizer: torch.optim.Optimizer, total: int | None) -> dict[str, int]:
@@ -136,7 +145,7 @@ def record_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.synchronize(device)
-        baseline = _sum_baseline(model, optimizer, torch.cuda.memory_allocated(device))
+        baseline = _sum_baseline(model, optimizer, requested_bytes(device))
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                                  max_entries=max_entries)
         try:
@@ -150,7 +159,7 @@ def record_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
                 marks[phase] = trace_len() - start
 
             step(mark)
-            allocated_after = torch.cuda.memory_allocated(device)
+            requested_after = requested_bytes(device)
             snapshot = torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -162,7 +171,7 @@ def record_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
         marks = {phase: len(cuda_events(entries[:n])) for phase, n in marks.items()}
         events = cuda_events(entries)
         return StepRecord(events, marks, baseline, [("gradients", "backward", grad_addrs)],
-                          "CUDA caching allocator history", snapshot, allocated_after)
+                          "CUDA caching allocator history", snapshot, requested_after)
 
     baseline = _sum_baseline(model, optimizer, None)
     recorder = LiveTensorRecorder()
