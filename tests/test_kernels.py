@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from gpulab.kernels import (check_cuda_sources, fuse_swiglu, load_cpu, nvrtc, source, swiglu_backward_reference,
                             swiglu_eager, swiglu_fused)
-from gpulab.kernels.build import CUDA_ARCHS, KERNEL_DIR, cuda_kernel_names
+from gpulab.kernels.build import CUDA_ARCHS, KERNEL_DIR, cuda_kernel_names, ensure_ninja
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
 from gpulab.profiling import kernels
@@ -97,6 +98,41 @@ def test_cuda_operator_registration_compiles():
            f"-I{sysconfig.get_paths()['include']}", str(KERNEL_DIR / "swiglu_cuda_ops.cpp")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_ensure_ninja_finds_the_wheels_binary_off_path(monkeypatch, tmp_path):
+    # torch's cpp_extension runs `ninja` from PATH; `.venv/bin/python -m pytest` (make test) runs without
+    # the venv's bin on PATH, where the ninja wheel put its binary
+    pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no ninja, no OS one either
+    found = ensure_ninja()
+    assert shutil.which("ninja") == found
+    assert subprocess.run([found, "--version"], capture_output=True).returncode == 0
+
+
+def test_ensure_ninja_finds_the_binary_of_a_target_install(monkeypatch, tmp_path):
+    # `pip install --target site` (tools/gpu-run.sh, with the carried wheels) puts the binary in site/bin,
+    # where ninja.BIN_DIR does not look: it is "" there
+    package = tmp_path / "site" / "ninja"
+    package.mkdir(parents=True)
+    binary = tmp_path / "site" / "bin" / "ninja"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\necho 1.13.2\n")
+    binary.chmod(0o755)
+    fake = types.ModuleType("ninja")
+    fake.BIN_DIR = ""  # type: ignore[attr-defined]
+    fake.__file__ = str(package / "__init__.py")
+    monkeypatch.setitem(sys.modules, "ninja", fake)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert ensure_ninja() == str(binary.resolve())
+    assert shutil.which("ninja") == str(binary.resolve())
+
+
+def test_ensure_ninja_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ninja", None)  # `import ninja` raises ImportError
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="pip install ninja"):
+        ensure_ninja()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with network: download into .whl/ the wheels an offline GPU machine needs to run
 # tools/gpu-run.sh beside its own python 3.12, torch, transformers, peft, triton, numpy and matplotlib
-# (bitsandbytes, and nbclient/ipykernel/ipywidgets with their dependencies). Carry .whl/ along with
+# (bitsandbytes, ninja, and nbclient/ipykernel/ipywidgets with their dependencies). Carry .whl/ along with
 # the repo; tools/gpu-run.sh installs it without network. Extra wheels: tools/gpu-wheels.sh name==ver
 # (each without its dependencies). PY_VERSION picks the target python (default 3.12).
 set -euo pipefail
@@ -14,6 +14,7 @@ get() { python3 -m pip download -q --only-binary=:all: --python-version "${PY_VE
           --implementation cp "${plat[@]}" -d "$dest" "$@"; }
 get -c constraints.txt nbval ipykernel nbclient ipywidgets   # with their dependencies
 get --no-deps -c constraints.txt bitsandbytes                # its torch and numpy are the machine's
+get --no-deps -c constraints.txt ninja                       # lab 4 builds its kernels with it
 [ $# -eq 0 ] || get --no-deps "$@"
 # what a CUDA image with torch already has (its own versions must stay the ones imported);
 # jsonschema, referencing, rpds-py and platformdirs are often missing there: keep them

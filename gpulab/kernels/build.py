@@ -6,6 +6,7 @@ The first build compiles C++ (CPU: ~15 s on 2 cores; CUDA: ~1 min) and is cached
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 from collections.abc import Callable
@@ -46,12 +47,39 @@ def cpu_flags() -> list[str]:
     return flags
 
 
+def ensure_ninja() -> str:
+    """The path of the `ninja` that torch's cpp_extension will run: it looks for `ninja` on PATH only.
+
+    The `ninja` wheel (a dependency of gpulab) puts its binary beside the Python that installed it, which
+    is not on PATH when a venv's python runs without activation (`.venv/bin/python -m pytest`, a notebook
+    kernel started by its full path) or when the wheel went into a `pip install --target` folder (the GPU
+    run's carried wheels): put that folder first on PATH, or say what to install."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:
+        import ninja
+    except ImportError:
+        folders: list[str] = []
+    else:
+        # ninja.BIN_DIR: the scripts folder of this Python, or "" when the binary is elsewhere;
+        # <target>/bin: where `pip install --target <target>` puts it, beside the package's folder
+        folders = [ninja.BIN_DIR, str(Path(ninja.__file__).resolve().parent.parent / "bin")]
+    for folder in folders:
+        if folder and os.access(os.path.join(folder, "ninja"), os.X_OK):
+            os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+            return os.path.join(folder, "ninja")
+    raise RuntimeError("ninja not found: torch builds C++ extensions with it. Install it with "
+                       "`pip install ninja` (or `apt-get install ninja-build`)")
+
+
 def load_cpu(verbose: bool = False) -> SwiGLUKernels:
     """Compile swiglu_cpu.cpp and return its operators (float32 CPU tensors)."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         raise RuntimeError("no C++ compiler found: install g++ (Debian/Ubuntu: apt-get install g++)")
     # no_implicit_headers: load_inline would otherwise prepend <torch/extension.h> (pybind11 and all of
     # torch's C++ API), which triples the build time; the operators are registered with TORCH_LIBRARY.
+    ensure_ninja()
     from torch.utils.cpp_extension import load_inline
 
     load_inline(
@@ -80,6 +108,7 @@ def build_cuda(verbose: bool = False) -> None:
     if CUDA_HOME is None:
         raise RuntimeError("nvcc not found: install the CUDA toolkit (or `pip install nvidia-cuda-nvcc`) "
                            "and set CUDA_HOME to the folder that holds bin/nvcc")
+    ensure_ninja()
     load_inline(
         name="gpulab_swiglu_cuda", cpp_sources=[source("swiglu_cuda_ops.cpp")],
         cuda_sources=[source("swiglu_cuda.cu")], extra_include_paths=[str(KERNEL_DIR)],
