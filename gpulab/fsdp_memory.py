@@ -25,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gpulab.checkpointing import checkpoint_in_segments, enable_transformers_checkpointing
 from gpulab.memory import ModelShape, TrainingSetup
 from gpulab.models import build_model
-from gpulab.profiling import complete_events, load_trace, quiet_profile
+from gpulab.profiling import complete_events, gc_paused, load_trace, quiet_profile
 
 DTYPES = {"fp32": torch.float32, "bf16-pure": torch.bfloat16}
 # what the measured step does not do; a setup that asks for another value is refused
@@ -173,13 +173,14 @@ def fsdp_step_peak_bytes(shape: ModelShape, setup: TrainingSetup, device: torch.
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            rest = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            model(input_ids=ids, labels=ids).loss.backward()
-            torch.cuda.synchronize(device)
+            with gc_paused():
+                torch.cuda.synchronize(device)
+                rest = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                model(input_ids=ids, labels=ids).loss.backward()
+                torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) - rest
-        with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with gc_paused(), quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model(input_ids=ids, labels=ids).loss.backward()
         start, peak, _ = cpu_allocated_bytes(prof)
         return peak - start

@@ -11,6 +11,7 @@ during one forward and backward from the state at rest (sharded parameters and A
 """
 
 import dataclasses
+import gc
 import os
 import subprocess
 import sys
@@ -109,6 +110,29 @@ def test_zero3_notes_say_what_the_peak_assumes():
 def test_the_measurement_refuses_what_it_does_not_do():
     with pytest.raises(ValueError, match="measures ZeRO-2 or ZeRO-3"):
         fsdp_step_peak_bytes(TINY, TrainingSetup(precision="fp32", zero_stage=3, world_size=2, seq_len=16, lora_rank=4))
+
+
+def test_no_garbage_collection_during_the_measured_step():
+    """A cycle left by earlier code, freed mid-step, would count as the step freeing memory: the peak above
+    rest came out at half, now and then, after other tests in the same process. The collector runs before
+    the measured step and not during it, even when it is set to run as often as it can."""
+    in_profile = []
+
+    def note(phase, info):
+        if phase == "start":
+            in_profile.append(torch.autograd.profiler._is_profiler_enabled)
+
+    shape, kw = CASES["tiny, 4 ranks"]
+    threshold = gc.get_threshold()
+    gc.callbacks.append(note)
+    gc.set_threshold(1, 1, 1)
+    try:
+        fsdp_step_peak_bytes(shape, TrainingSetup(precision="fp32", zero_stage=3, **kw))
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(note)
+    assert in_profile, "the collector never ran"
+    assert not any(in_profile), f"{sum(in_profile)} collections ran while the step was profiled"
 
 
 @pytest.mark.parametrize("stage, most", [(3, "30%"), (2, "15%")])
