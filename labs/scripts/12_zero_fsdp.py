@@ -53,6 +53,7 @@ from gpulab.distributed import finish, gather, init, say
 from gpulab.fsdp_memory import cpu_allocated_bytes
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
+from gpulab.profiling import gc_paused
 
 RUNS = ("ddp", "zero1", "zero2", "zero3", "zero3_bf16", "zero3_offload")
 
@@ -183,22 +184,24 @@ def step_memory(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: 
     """One forward and backward from the state at rest: bytes above rest at the forward/backward
     boundary and at the step's peak (CUDA: the caching allocator's counters; CPU: the profiler's
     allocator events), and the gathered parameter bytes held at the boundary."""
+    # gc_paused: a reference cycle freed mid-step would count as the step freeing memory
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        rest = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss = model(**batch).loss
-        torch.cuda.synchronize(device)
-        boundary, gathered = torch.cuda.memory_allocated(device) - rest, gathered_bytes(model)
-        loss.backward()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - rest
+        with gc_paused():
+            torch.cuda.synchronize(device)
+            rest = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            loss = model(**batch).loss
+            torch.cuda.synchronize(device)
+            boundary, gathered = torch.cuda.memory_allocated(device) - rest, gathered_bytes(model)
+            loss.backward()
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - rest
     else:
         saved = {name: getattr(dist, name) for name in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER)}
         for name, collective in saved.items():
             setattr(dist, name, settled(collective))
         try:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with gc_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 loss = model(**batch).loss
                 gathered = gathered_bytes(model)
                 with record_function("backward"):
