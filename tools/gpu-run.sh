@@ -32,7 +32,6 @@ if [ -n "$(missing)" ] && compgen -G "$wheels/*.whl" >/dev/null; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$site" "$wheels"/*.whl
   export PYTHONPATH="$site:$PYTHONPATH"
-  export PATH="$site/bin:$PATH"  # the ninja wheel's binary: torch builds lab 4's kernels with it
 fi
 still=$(missing)
 if [ -n "$still" ]; then
