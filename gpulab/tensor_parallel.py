@@ -135,7 +135,7 @@ def record_saved(exclude: Iterable[torch.Tensor] = (), region: Callable[[], str]
         key = storage.data_ptr()
         if key not in skip and t.device.type != "meta":
             seen[key] = (seen[key][0] if key in seen else region(), storage.nbytes())
-        return t
+        return t.detach()  # as in record_saved_tensors: t itself would keep an unrun graph alive
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield result

@@ -1,6 +1,9 @@
 """Measured bytes match the calculator exactly for a real transformers Llama, in fp32 and in 16 bits."""
 
+import contextlib
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -36,6 +39,33 @@ def test_training_step_matches_calculator(attention, padded):
     assert measure.gradient_bytes(model) == predicted.gradients
     assert measure.optimizer_state_bytes(opt) == predicted.optimizer
     assert act_bytes == predicted.activations
+
+
+def test_counting_saved_tensors_keeps_no_graph_alive():
+    # a forward counted and then dropped, never run backward (as when a lab only measures what it saves):
+    # tanh saves its own output, and a pack hook that kept it would keep the graph, and through its
+    # AccumulateGrad nodes the parameters, alive past gc.collect()
+    layer = torch.nn.Linear(8, 8)
+    weight = weakref.ref(layer.weight)
+    with measure.record_saved_tensors(exclude=layer.parameters()) as saved:
+        out = torch.tanh(layer(torch.randn(2, 8)))
+    assert saved.count == 2 and saved.bytes == 2 * 2 * 8 * 4  # the input and tanh's output
+    del out, layer
+    gc.collect()
+    assert weight() is None
+
+
+def test_counting_saved_tensors_leaves_gradients_unchanged():
+    model = build_model(SHAPE)
+    ids = torch.randint(4, SHAPE.vocab_size, (2, 12))
+    grads = []
+    for counted in (False, True):
+        model.zero_grad(set_to_none=True)
+        with measure.record_saved_tensors(exclude=model.parameters()) if counted else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_cuda_peak_is_none_without_cuda():

@@ -6,8 +6,10 @@ every shard, activation and collective has its real size. The lab's stored run s
 from two gloo processes (parameters 6,333,440 B, activations 29,698,052 / 24,970,244 B per rank).
 """
 
+import gc
 import importlib.util
 import json
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,6 +60,18 @@ def step(model, sequence_parallel: bool):
 
 
 # --- the calculator on its own ------------------------------------------------------------------------------
+
+def test_record_saved_keeps_no_graph_alive():
+    # as gpulab.memory.measure.record_saved_tensors: a counted forward dropped unrun frees its parameters
+    layer = torch.nn.Linear(8, 8)
+    weight = weakref.ref(layer.weight)
+    with record_saved(exclude=layer.parameters()) as saved:
+        out = torch.tanh(layer(torch.randn(2, 8)))
+    assert saved.count == 2
+    del out, layer
+    gc.collect()
+    assert weight() is None
+
 
 def test_tp_degree_1_changes_nothing():
     for kw in ({}, {"seq_len": 64, "batch_size": 8}, {"zero_stage": 3, "world_size": 8, "seq_len": 32}):

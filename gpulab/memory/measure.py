@@ -81,7 +81,10 @@ def record_saved_tensors(exclude: Iterable[torch.Tensor] = ()) -> Iterator[Saved
         key = _storage_key(t)
         if key not in skip and t.device.type != "meta":
             seen[key] = t.untyped_storage().nbytes()
-        return t
+        # detached: a saved output still carries its grad_fn, which owns this saved tensor; keeping
+        # t itself closes a cycle through C++ that gc cannot see, and a forward never run backward
+        # would then keep its whole graph (activations and parameters) alive for good (pytorch#115255)
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield result
