@@ -63,6 +63,19 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 at full speed: a CUDA GPU with bf16 tensor cores (compute capability
+    8.0 and later: A100, H100, RTX 30xx on) or an AMD GPU; a CPU or Apple GPU counts too (lab 0 measures
+    what bf16 costs there). Below 8.0 (Colab's T4, a V100) torch emulates bf16: it runs, but slower than
+    fp32, SDPA has no fused bf16 attention kernel (it falls back to math) and Inductor does not compile
+    bf16 graphs, so the labs' bf16 speed and fusion checks say SKIP there."""
+    if device.type != "cuda":
+        return True
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def require_memory(need_bytes: float, device: torch.device, what: str, fraction: float = 0.9) -> None:
     """Stop with a clear message when `what` needs more than `fraction` of the GPU's memory (by the
     memory calculator), before CUDA fails mid-lab with a bare out-of-memory error. No-op on a CPU."""

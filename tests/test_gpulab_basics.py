@@ -36,6 +36,23 @@ def test_banner_names_device_and_versions():
     assert text.startswith("device: cpu") and "torch " in text and "transformers " in text
 
 
+def test_native_bf16_needs_compute_capability_8(monkeypatch):
+    assert env.native_bf16(torch.device("cpu"))  # slow on some CPUs, but native: nothing emulated
+    monkeypatch.setattr(torch.version, "hip", None)
+    seen = []
+
+    def capability(device):
+        seen.append(device)
+        return {0: (7, 5), 1: (8, 0), 2: (9, 0)}[device.index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    # a T4 (7.5) emulates bf16; an A100 (8.0) and an H100 (9.0) have bf16 tensor cores
+    assert [env.native_bf16(torch.device("cuda", i)) for i in range(3)] == [False, True, True]
+    assert [d.index for d in seen] == [0, 1, 2]  # asks about the device it is given
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert env.native_bf16(torch.device("cuda", 0))  # ROCm: every supported AMD GPU computes bf16
+
+
 def test_require_memory_stops_before_cuda_does(monkeypatch):
     env.require_memory(1e15, torch.device("cpu"), "anything")  # a CPU: nothing to check against
     monkeypatch.setattr(env, "device_memory_bytes", lambda device: 80 * 10**9)
