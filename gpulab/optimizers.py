@@ -7,11 +7,13 @@ bitsandbytes, LOMO against `torch.optim.SGD`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from gpulab.memory.measure import gradient_bytes
 
@@ -68,17 +70,26 @@ class FusedSGD(torch.optim.Optimizer):
         if lr <= 0:
             raise ValueError(f"need lr > 0, got {lr}")
         super().__init__(params, {"lr": lr})
-        self._handles = []
-        for group in self.param_groups:
+        self._handles: list[RemovableHandle] = []
+        for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(group)))
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
+        # once the optimizer is gone, its hooks go too (as remove() would), and the model trains normally
+        weakref.finalize(self, _remove_handles, self._handles)
 
-    @staticmethod
-    def _make_hook(group: dict) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        # a weak reference: the hook lives on the parameter, and a strong one would close a cycle
+        # (parameter -> hook -> optimizer -> parameter) that Python's gc does not collect through a
+        # tensor's hooks, keeping the model alive after both were dropped
+        optimizer = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
+            this = optimizer()
+            if this is None:  # being collected: its finalizer removes this hook
+                return
             with torch.no_grad():
-                p.add_(p.grad, alpha=-group["lr"])  # type: ignore[arg-type]
+                p.add_(p.grad, alpha=-this.param_groups[index]["lr"])  # type: ignore[arg-type]
             p.grad = None  # freed now, before the rest of backward runs
 
         return hook
@@ -92,9 +103,13 @@ class FusedSGD(torch.optim.Optimizer):
 
     def remove(self) -> None:
         """Take the hooks off the parameters (the model then trains normally again)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        _remove_handles(self._handles)
+
+
+def _remove_handles(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 @dataclass

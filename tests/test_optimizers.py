@@ -1,5 +1,8 @@
 """The from-scratch optimizers in gpulab.optimizers agree with the libraries and with the calculator."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -65,9 +68,30 @@ def test_watch_gradients_sees_one_tensor_at_a_time_under_fused_sgd():
     for make, expected in cases:
         model = build_model(SHAPE)
         with watch_gradients(model) as peak:
-            make(model.parameters())
+            optimizer = make(model.parameters())  # kept: a FusedSGD's hooks go with it
             model(**next(iter(batches(1)))).loss.backward()
+        del optimizer
         assert peak.bytes == (expected if expected is not None else measure.parameter_bytes(model))
+
+
+def test_fused_sgd_keeps_no_model_alive():
+    # its hooks live on the parameters; they must not keep the model (or the optimizer) alive once both
+    # are dropped, and an optimizer dropped alone takes its hooks with it
+    for remove in (False, True):
+        model = build_model(SHAPE)
+        weight = weakref.ref(model.lm_head.weight)
+        optimizer = FusedSGD(model.parameters(), lr=0.1)
+        model(**next(iter(batches(1)))).loss.backward()
+        if remove:
+            optimizer.remove()
+        del model, optimizer
+        gc.collect()
+        assert weight() is None
+    model = build_model(SHAPE)
+    optimizer = FusedSGD(model.parameters(), lr=0.1)
+    del optimizer
+    model(**next(iter(batches(1)))).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())  # no hook left: plain backward
 
 
 def test_bad_arguments():
