@@ -68,7 +68,8 @@ def native_bf16(device: torch.device) -> bool:
     8.0 and later: A100, H100, RTX 30xx on) or an AMD GPU; a CPU or Apple GPU counts too (lab 0 measures
     what bf16 costs there). Below 8.0 (Colab's T4, a V100) torch emulates bf16: it runs, but slower than
     fp32, SDPA has no fused bf16 attention kernel (it falls back to math) and Inductor does not compile
-    bf16 graphs, so the labs' bf16 speed and fusion checks say SKIP there."""
+    bf16 graphs. There the labs' checks of bf16's speed and fused attention say SKIP, and lab 4 fuses
+    fp16 instead."""
     if device.type != "cuda":
         return True
     if torch.version.hip:

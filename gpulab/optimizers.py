@@ -62,8 +62,9 @@ class FusedSGD(torch.optim.Optimizer):
     A post-accumulate-grad hook on every parameter updates it as soon as its gradient is complete and
     frees the gradient, so no full set of gradients ever exists and there is no optimizer state.
     `loss.backward()` therefore *is* the step: `step()` and `zero_grad()` do nothing, which lets the
-    usual training loop run unchanged. Gradient clipping by the global norm is not possible here (the
-    norm is known only after the whole backward); the LOMO paper runs a second backward for it.
+    usual training loop run unchanged; dropping the optimizer (or `remove()`) takes the hooks off.
+    Gradient clipping by the global norm is not possible here (the norm is known only after the whole
+    backward); the LOMO paper runs a second backward for it.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float) -> None:
