@@ -93,6 +93,20 @@ def test_check_only_changes_nothing(tmp_path, capsys):
     assert "would be (--check-only)" in capsys.readouterr().out
 
 
+def test_the_run_section_names_each_lab_by_its_heading():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Lab 3: Feeding the GPU\n\nCompanion to Chapter 3.")]
+    headed = nbformat.writes(nb).encode()
+    assert gpu_import.lab_title("03-feeding-the-gpu.ipynb", headed) == "03 Feeding the GPU"
+    # no heading, or no notebook at all: the file name
+    assert gpu_import.lab_title("03-feeding-the-gpu.ipynb", lab("print(1)", executed=False)) == "03 feeding the gpu"
+    assert gpu_import.lab_title("03-feeding-the-gpu.ipynb", b"not json") == "03 feeding the gpu"
+    log = {"labs": [{"lab": "03-feeding-the-gpu.ipynb", "status": "ok", "wall_s": 14.7}]}
+    section = gpu_import.run_section(log, {"03-feeding-the-gpu.ipynb": "yes"},
+                                     {"03-feeding-the-gpu.ipynb": "03 Feeding the GPU"})
+    assert "| 03 Feeding the GPU | ok | 14.7 s | yes |" in section
+
+
 def test_an_archive_without_a_log_is_refused(tmp_path):
     archive = tmp_path / "bare.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:

@@ -89,6 +89,14 @@ def test_the_shell_entry_point_runs_and_names_missing_packages(tmp_path):
     assert proc.returncode == 2 and "missing packages: torch" in proc.stderr and "tools/gpu-wheels.sh" in proc.stderr
 
 
+def test_the_log_names_the_command_as_run_from_the_repository(monkeypatch):
+    script = str(ROOT / "tools" / "gpu_run.py")  # gpu-run.sh runs it by its absolute path
+    monkeypatch.delenv("GPU_RUN_ENTRY", raising=False)
+    assert gpu_run.command_line([script, "--plan", "19"]) == "tools/gpu_run.py --plan 19"
+    monkeypatch.setenv("GPU_RUN_ENTRY", "tools/gpu-run.sh")  # what the wrapper sets
+    assert gpu_run.command_line([script, "--plan", "19"]) == "tools/gpu-run.sh --plan 19"
+
+
 def test_a_lane_can_wait_until_a_lab_in_another_lane_has_ended(tmp_path):
     slow = notebook(tmp_path / "slow.ipynb", "import time; time.sleep(8)")
     quick = notebook(tmp_path / "quick.ipynb", "pass")

@@ -38,4 +38,4 @@ if [ -n "$still" ]; then
   echo "gpu-run: missing packages: $still. Carry their wheels in .whl/ (tools/gpu-wheels.sh) or pip install them." >&2
   exit 2
 fi
-exec "$python" "$root/tools/gpu_run.py" "$@"
+GPU_RUN_ENTRY=tools/gpu-run.sh exec "$python" "$root/tools/gpu_run.py" "$@"  # the log names the wrapper

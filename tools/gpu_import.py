@@ -99,7 +99,19 @@ def nbval_failures(scratch: Path, labs: list[str], python: str) -> dict[str, str
     return failures
 
 
-def run_section(log: dict, verdicts: dict[str, str]) -> str:
+def lab_title(lab: str, notebook: bytes) -> str:
+    """"03 Feeding the GPU", from the lab's heading ("# Lab 3: Feeding the GPU"); from its file name where
+    it has none."""
+    try:
+        cells = json.loads(notebook)["cells"]
+        heading = "".join(cells[0]["source"]).splitlines()[0] if cells and cells[0].get("source") else ""
+    except (ValueError, KeyError, TypeError):
+        heading = ""
+    match = re.match(r"#\s+Lab \d+:\s*(.+)", heading)
+    return f"{lab[:2]} {match.group(1).strip() if match else lab[3:].removesuffix('.ipynb').replace('-', ' ')}"
+
+
+def run_section(log: dict, verdicts: dict[str, str], titles: dict[str, str] | None = None) -> str:
     """The run's section for chapters/gpu-runs.md, from its log: a person adds what the run taught."""
     versions = log.get("versions", {})
     software = ", ".join([f"Python {versions.get('python', '?')}"]
@@ -112,7 +124,7 @@ def run_section(log: dict, verdicts: dict[str, str]) -> str:
              "| lab | on the GPU | wall time | stored |", "|---|---|---|---|"]
     for record in sorted(log.get("labs", []), key=lambda r: r["lab"]):
         lab = record["lab"]
-        title = lab[:2] + " " + lab[3:].removesuffix(".ipynb").replace("-", " ")
+        title = (titles or {}).get(lab) or lab_title(lab, b"")
         lines.append(f"| {title} | {record['status']} | {record.get('wall_s', 0):.1f} s | {verdicts.get(lab, '—')} |")
     lines += ["", "The command:", "", "```bash", log.get("command", "?"), "```"]
     return "\n".join(lines)
@@ -164,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for lab in wanted:
         print(f"  {lab:40s} {verdicts[lab]}")
     print("\nThe run's section for chapters/gpu-runs.md (add what it taught):\n")
-    print(run_section(log, verdicts))
+    print(run_section(log, verdicts, {lab: lab_title(lab, data) for lab, data in executed.items()}))
     stale = root / "tools" / "stale_numbers.py"
     if imported and stale.exists():
         print("\nFigures the chapters quote that the imported labs no longer print:\n", flush=True)

@@ -58,6 +58,16 @@ PLAN = ["02,03,04,00,01,05,18", "11,12,13,after:04,07", "14,17,after:04,09,08", 
         "after:04,15,16", "after:18,after:07,after:08,after:06,after:16,19"]
 
 
+def command_line(argv: list[str]) -> str:
+    """The command as the run log shows it: tools/gpu-run.sh's name where that wrapper started this (it says
+    so in GPU_RUN_ENTRY), else this script's path within the repository, then the arguments."""
+    entry = os.environ.get("GPU_RUN_ENTRY")
+    if not entry:
+        script = Path(argv[0]).resolve()
+        entry = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else argv[0]
+    return " ".join([entry, *argv[1:]])
+
+
 def find_labs(names: list[str]) -> list[Path]:
     """Lab notebooks by number prefix ("03"), file name or path; every lab when `names` is empty."""
     every = sorted(LABS.glob("[0-9][0-9]-*.ipynb"))
@@ -224,7 +234,7 @@ class Run:
         self.paths: dict[str, Path] = {}
         self.ended: dict[str, threading.Event] = {}  # set when a lab has ended (or was never started)
         self.log_path = Path(args.log)
-        self.header = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
+        self.header = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command_line(sys.argv),
                        **device(), "versions": versions(),
                        "env": {k: os.environ.get(k, "") for k in ("GPULAB_PRESET", "GPULAB_DEVICE")}}
 
