@@ -260,3 +260,61 @@ def test_checks_read_the_same_on_every_device(lab):
             for line in out.get("text", "").splitlines():
                 if line.startswith("PASS:"):
                     assert "skipped" not in line, f"a PASS for something that did not run: {line[:120]}"
+
+
+BANNER_DEVICE = re.compile(r"^device: (\w+) - (.+)$", re.M)  # the first line of gpulab.env.banner
+
+
+def stored_device(lab: Path) -> tuple[str, str]:
+    """The device of a lab's stored run, from the banner its setup cell printed: ("cuda", "NVIDIA H200")."""
+    for cell in code_cells(nbformat.read(lab, as_version=4)):
+        for out in cell.get("outputs", []):
+            if match := BANNER_DEVICE.search(out.get("text", "")):
+                return match.group(1), match.group(2).strip()
+    pytest.fail(f"{lab.name}: no stored banner says which device the run used")
+
+
+RUN_NAMED = re.compile(r"(?i)measured on|stored run")  # where a chapter says where its figures come from
+
+
+def names_device(text: str, kind: str, name: str) -> bool:
+    """Whether a chapter's text names the device of its lab's stored run where it says where its figures
+    come from (within 100 characters of "measured on" or "stored run"): a GPU by its model ("H200", "T4",
+    "4090": the first word of its name with a digit in it), else "CPU" or "MPS". For a run on a CPU, no
+    figure may be said to be measured on an NVIDIA GPU."""
+    near = [text[m.start():m.start() + 100] for m in RUN_NAMED.finditer(text)]
+    if kind == "cuda":
+        model = next((word for word in name.split() if any(ch.isdigit() for ch in word)), name)
+        return any(model in window for window in near)
+    if re.search(r"measured on (an? )?NVIDIA", text):
+        return False
+    return any(("MPS" if kind == "mps" else "CPU") in window for window in near)
+
+
+def test_names_device_tells_a_gpu_run_from_a_cpu_run():
+    cpu_text = "The figures below are from its stored run, **measured on CPU (x86_64, 2 cores)**."
+    gpu_text = "The figures below are from its stored run, **measured on an NVIDIA H200**, small preset."
+    assert names_device(cpu_text, "cpu", "CPU (x86_64, 2 cores)")
+    assert names_device(gpu_text, "cuda", "NVIDIA H200")
+    assert not names_device(cpu_text, "cuda", "NVIDIA H200"), "a GPU run quoted as a CPU's"
+    assert not names_device(gpu_text + " On a CPU it is slower.", "cpu", "CPU (x86_64, 2 cores)"), \
+        "a CPU run quoted as a GPU's"
+    assert names_device("measured on a Tesla T4", "cuda", "Tesla T4")
+    elsewhere = cpu_text + " The fused model trains to the same loss as the eager one at every step, and it saves one tensor " \
+        "per layer less for backward, as the chapter predicts. " \
+        "At 8B an H200 would take 4 ms (computed)."
+    assert not names_device(elsewhere, "cuda", "NVIDIA H200"), \
+        "a GPU named elsewhere in the section, not where it says where the figures come from"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS[1:], ids=lambda p: p.name)
+def test_chapters_name_the_device_their_lab_ran_on(chapter):
+    """A chapter's 'What the lab measures' quotes its lab's stored run and says where it ran. Once a GPU
+    run is imported into labs/, this fails until the chapter names that GPU (and quotes its figures)."""
+    lab = next(p for p in LABS if p.name[:2] == chapter.name[:2])
+    text = chapter.read_text()
+    start = text.index("\n## What the lab measures")
+    end = text.find("\n## ", start + 1)
+    kind, name = stored_device(lab)
+    assert names_device(text[start:end if end > 0 else None], kind, name), \
+        f"{chapter.name}'s 'What the lab measures' does not name {name} ({kind}), where {lab.name}'s stored run ran"
