@@ -300,9 +300,9 @@ def test_names_device_tells_a_gpu_run_from_a_cpu_run():
     assert not names_device(gpu_text + " On a CPU it is slower.", "cpu", "CPU (x86_64, 2 cores)"), \
         "a CPU run quoted as a GPU's"
     assert names_device("measured on a Tesla T4", "cuda", "Tesla T4")
-    elsewhere = cpu_text + " The fused model trains to the same loss as the eager one at every step, and it saves one tensor " \
-        "per layer less for backward, as the chapter predicts. " \
-        "At 8B an H200 would take 4 ms (computed)."
+    elsewhere = (cpu_text + " The fused model trains to the same loss as the eager one at every step, and it saves"
+                 " one tensor per layer less for backward, as the chapter predicts. At 8B an H200 would take 4 ms"
+                 " (computed).")
     assert not names_device(elsewhere, "cuda", "NVIDIA H200"), \
         "a GPU named elsewhere in the section, not where it says where the figures come from"
 
