@@ -1,12 +1,12 @@
 """Verdict lines and the nbval sanitizer: PASS and SKIP of one claim compare equal, whatever the figures
-in their brackets; a different claim, or a FAIL, does not."""
+in their brackets, and so do a speed target's MET and MISSED; a different claim, or a FAIL, does not."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from gpulab.checks import check
+from gpulab.checks import check, target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,3 +35,22 @@ def test_sanitizer_equates_pass_and_skip_of_one_claim():
     assert sanitize("FAIL: fused beats eager [measured: 1x]") != sanitize("PASS: fused beats eager [measured: 1x]")
     # figures outside a verdict line are left alone
     assert sanitize("loss 2.885\n") == "loss 2.885\n"
+
+
+def test_target_reports_a_miss_and_goes_on(capsys):
+    target(True, "fused reaches 70% of the copy bandwidth", measured="84%")
+    target(False, "fused reaches 70% of the copy bandwidth", measured="55%")  # no exception: the lab goes on
+    target(False, "fused reaches 70% of the copy bandwidth", measured="55%", skip="no CUDA GPU")
+    assert capsys.readouterr().out.splitlines() == [
+        "MET: fused reaches 70% of the copy bandwidth [measured: 84%]",
+        "MISSED: fused reaches 70% of the copy bandwidth [measured: 55%]",
+        "SKIP: fused reaches 70% of the copy bandwidth [no CUDA GPU]",
+    ]
+
+
+def test_sanitizer_equates_met_missed_and_skip_of_one_target():
+    skipped = sanitize("SKIP: fused is 1.5x eager [no CUDA GPU]")
+    assert sanitize("MET: fused is 1.5x eager [measured: 1.8x]") == skipped
+    assert sanitize("MISSED: fused is 1.5x eager [measured: 1.3x]") == skipped
+    other_goal = sanitize("MISSED: fused is 2x eager [measured: 1.3x]")
+    assert sanitize("MISSED: fused is 1.5x eager [measured: 1.3x]") != other_goal

@@ -192,9 +192,9 @@ def test_no_secrets_downloads_or_machine_paths(path):
 
 
 def check_calls(source: str) -> list[str]:
-    """The text of every `check(...)` call in a cell's source (balanced parentheses)."""
+    """The text of every verdict call, `check(...)` or `target(...)`, in a cell's source (balanced parentheses)."""
     calls = []
-    for match in re.finditer(r"\bcheck\(", source):
+    for match in re.finditer(r"\b(?:check|target)\(", source):
         depth, i = 1, match.end()
         while depth and i < len(source):
             depth += {"(": 1, ")": -1}.get(source[i], 0)
@@ -246,7 +246,7 @@ def test_checks_read_the_same_on_every_device(lab):
             head = call.split("measured=")[0].split("skip=")[0]
             for name in varying:
                 assert f"{{{name}" not in head, f"the claim embeds {name}, which differs by device: {call[:120]}"
-            if re.match(r"check\(not (\(?on_gpu|multi_gpu|cuda)\b", call):
+            if re.match(r"(?:check|target)\(not (\(?on_gpu|multi_gpu|cuda)\b", call):
                 assert "skip=" in call, f"a device-only check without skip=: {call[:120]}"
             if re.search(r"measured=.*if on_gpu else None", call, flags=re.S):
                 assert "skip=" in call, f"a measured bracket on one device only: {call[:120]}"
@@ -254,7 +254,7 @@ def test_checks_read_the_same_on_every_device(lab):
         for loop in (n for n in ast.walk(cell_tree(cell)) if isinstance(n, ast.For)):
             over = {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)} & varying
             calls = [n for stmt in loop.body + loop.orelse for n in ast.walk(stmt) if isinstance(n, ast.Call)]
-            assert not (over and any(ast.unparse(c.func) == "check" for c in calls)), \
+            assert not (over and any(ast.unparse(c.func) in ("check", "target") for c in calls)), \
                 f"checks inside a loop over {', '.join(sorted(over))}: the number of verdict lines differs by device"
         for out in cell.get("outputs", []):
             for line in out.get("text", "").splitlines():
