@@ -39,8 +39,9 @@ def test_only_labs_that_pass_nbval_here_are_imported(tmp_path, capsys):
     tree = tmp_path / "tree"
     (tree / "labs").mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(tree)], check=True)
-    names = ("00-agrees.ipynb", "01-differs.ipynb", "02-broke.ipynb", "03-fixed-since.ipynb")
-    sources = ("print(6 * 7)", "print(6 * 7)", "raise ValueError('broken on purpose')", "print(6 * 7)  # fixed")
+    names = ("00-agrees.ipynb", "01-differs.ipynb", "02-broke.ipynb", "03-fixed-since.ipynb", "04-broke-twice.ipynb")
+    sources = ("print(6 * 7)", "print(6 * 7)", "raise ValueError('broken on purpose')", "print(6 * 7)  # fixed",
+               "raise ValueError('broken on purpose')")
     for name, source in zip(names, sources):  # what the repository stores now: unexecuted
         (tree / "labs" / name).write_bytes(lab(source, executed=False))
     differs = nbformat.reads(lab("print(6 * 7)").decode(), as_version=4)
@@ -52,7 +53,10 @@ def test_only_labs_that_pass_nbval_here_are_imported(tmp_path, capsys):
                     {"lab": names[1], "status": "ok", "wall_s": 3.0},
                     {"lab": names[2], "status": "error", "wall_s": 4.0,
                      "stderr_tail": ["gpu-run: 02-broke.ipynb: ValueError: broken on purpose"]},
-                    {"lab": names[3], "status": "ok", "wall_s": 2.0}]}
+                    {"lab": names[3], "status": "ok", "wall_s": 2.0},
+                    {"lab": names[4], "status": "error", "wall_s": 4.0,  # a log that lists every failed cell
+                     "errors": ["cell 0: ValueError: broken on purpose", "cell 2: NameError: name 'x' is not defined"],
+                     "stderr_tail": ["gpu-run: 04-broke-twice.ipynb: cell 2: NameError: name 'x' is not defined"]}]}
     archive = tmp_path / "gpu-run.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         add(tar, "gpu-run.json", json.dumps(log).encode())
@@ -60,12 +64,13 @@ def test_only_labs_that_pass_nbval_here_are_imported(tmp_path, capsys):
         add(tar, f"labs/{names[1]}", nbformat.writes(differs).encode())
         add(tar, f"labs/{names[2]}", lab("raise ValueError('broken on purpose')", executed=False))
         add(tar, f"labs/{names[3]}", lab("print(6 * 7)"))  # run before its cell was changed here
+        add(tar, f"labs/{names[4]}", lab("raise ValueError('broken on purpose')", executed=False))
         add(tar, "elsewhere.ipynb", b"{}")  # not under labs/: never read, never written
 
     status = gpu_import.main([str(archive), "--root", str(tree)])
     report = capsys.readouterr().out
     print(report)
-    assert status == 1, "three labs were not imported: the exit status says so"
+    assert status == 1, "four labs were not imported: the exit status says so"
     stored = {name: nbformat.read(tree / "labs" / name, as_version=4) for name in names}
     assert stored[names[0]].cells[0].outputs[0]["text"] == "42\n", "the lab that passed is imported"
     assert not any(stored[name].cells[0].outputs for name in names[1:]), \
@@ -74,6 +79,7 @@ def test_only_labs_that_pass_nbval_here_are_imported(tmp_path, capsys):
     assert not (tree / "elsewhere.ipynb").exists()
     assert "no: strict nbval on the CPU failed at Cell 0: mismatch 'stdout'" in report
     assert "no: error on the GPU (gpu-run: 02-broke.ipynb: ValueError: broken on purpose)" in report
+    assert "no: error on the GPU (cell 0: ValueError: broken on purpose; 1 more in the log)" in report
     assert "no: cell 0 has changed here since the run" in report
     assert "| 00 agrees | ok | 12.5 s | yes |" in report, "the run log's table names what was stored"
     assert "| GPU | NVIDIA H200 (143771 MiB), driver 580.1 |" in report

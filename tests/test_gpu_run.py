@@ -37,7 +37,8 @@ def test_labs_are_found_by_number_and_a_bad_name_says_which_exist():
 
 def test_run_logs_each_lab_and_archives_the_executed_notebooks(tmp_path):
     good = notebook(tmp_path / "good.ipynb", "print(6 * 7)")
-    bad = notebook(tmp_path / "bad.ipynb", "print('before')", "raise ValueError('broken on purpose')", "print('never')")
+    bad = notebook(tmp_path / "bad.ipynb", "print('before')", "raise ValueError('broken on purpose')", "print('after')",
+                   "raise KeyError('also broken')")
     slow = notebook(tmp_path / "slow.ipynb", "print('started')", "import time; time.sleep(120)", "print('never')")
     log, archive = tmp_path / "run.json", tmp_path / "run.tar.gz"
     status = gpu_run.main([str(bad), str(good), str(slow), "--lab-timeout", "25", "--deadline", "200",
@@ -47,6 +48,9 @@ def test_run_logs_each_lab_and_archives_the_executed_notebooks(tmp_path):
     assert records["good.ipynb"]["status"] == "ok"
     assert records["bad.ipynb"]["status"] == "error"
     assert any("broken on purpose" in line for line in records["bad.ipynb"]["stderr_tail"])
+    # a failing cell does not stop the lab: the cells after it run, and the log lists every error in order
+    assert records["bad.ipynb"]["errors"] == ["cell 1: ValueError: broken on purpose",
+                                              "cell 3: KeyError: 'also broken'"]
     # the slow lab is stopped at its limit and stored with the cells that ran, its slowest one named
     assert records["slow.ipynb"]["status"] == "timeout" and records["slow.ipynb"]["wall_s"] < 50
     assert any("stopped at its limit of 25 s" in line for line in records["slow.ipynb"]["stderr_tail"])
@@ -56,6 +60,7 @@ def test_run_logs_each_lab_and_archives_the_executed_notebooks(tmp_path):
     assert nbformat.read(good, as_version=4).cells[0].outputs[0]["text"] == "42\n"
     bad_cells = nbformat.read(bad, as_version=4).cells
     assert bad_cells[0].outputs[0]["text"] == "before\n" and bad_cells[1].outputs[0]["output_type"] == "error"
+    assert bad_cells[2].outputs[0]["text"] == "after\n" and bad_cells[3].outputs[0]["output_type"] == "error"
     with tarfile.open(archive) as tar:
         assert sorted(tar.getnames()) == ["labs/bad.ipynb", "labs/good.ipynb", "labs/slow.ipynb", "run.json"]
 

@@ -149,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         elif (cell := changed_cell(executed[lab], (root / "labs" / lab).read_bytes())) is not None:
             verdicts[lab] = f"no: cell {cell} has changed here since the run (importing would undo that)"
         elif record["status"] != "ok":
-            tail = record.get("stderr_tail", [])  # gpu_run's child ends it with the lab's first error
-            error = next((line for line in reversed(tail) if line.startswith(f"gpu-run: {lab}:")),
-                         tail[-1] if tail else "see the log")
+            if errors := record.get("errors"):  # every cell that failed, in order: the first may cause the rest
+                error = errors[0] + (f"; {len(errors) - 1} more in the log" if len(errors) > 1 else "")
+            else:  # a log from before the run listed errors, or a lab stopped without one (a timeout)
+                tail = record.get("stderr_tail", [])
+                error = next((line for line in reversed(tail) if line.startswith(f"gpu-run: {lab}:")),
+                             tail[-1] if tail else "see the log")
             verdicts[lab] = f"no: {record['status']} on the GPU ({error[:200]})"
     to_check = [lab for lab in wanted if lab not in verdicts]
     if to_check:

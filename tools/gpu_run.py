@@ -10,9 +10,10 @@ Run through `tools/gpu-run.sh`, which installs the carried wheels and sets the e
     tools/gpu-run.sh --plan --lab-timeout 330 --deadline 520 --archive $OUT/labs.tar.gz  # lanes of PLAN
 
 Each lab runs in a child process (`python tools/gpu_run.py --one LAB`) that executes it with nbclient and
-writes the notebook back even when a cell fails, so the error is stored in the lab. The parent kills a
+writes the notebook back even when a cell fails, so the error is stored in the lab; the cells after a
+failed one run too, so that one call shows every failure. The parent kills a
 child that outlives its limit, stops starting labs at the deadline, and after every lab rewrites the
-log (`gpu-run.json`, one record per lab: status, wall time, device, versions, first error) and the
+log (`gpu-run.json`, one record per lab: status, wall time, device, versions, every error) and the
 archive of every executed lab so far: whoever runs it gets back every lab that finished, even when a
 later one fails or the whole command is cut off.
 """
@@ -54,6 +55,7 @@ PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelera
 # off at its limit it would be stored half-run, which cannot be imported; not started, it goes first in
 # the next session's call.
 MIN_S = {"19-capstone.ipynb": 240}
+MAX_ERRORS = 20  # errors a lab's log record lists (a failure early in a lab can make many cells after it fail)
 PLAN = ["02,03,04,00,01,05,18", "11,12,13,after:04,07", "14,17,after:04,09,08", "after:04,10,06",
         "after:04,15,16", "after:18,after:07,after:08,after:06,after:16,19"]
 
@@ -107,12 +109,25 @@ def device() -> dict[str, str]:
         return {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores)", "driver": "none"}
 
 
-def first_error(nb) -> str | None:
-    for cell in nb.cells:
+def cell_errors(nb) -> list[str]:
+    """Every error a lab's cells stored, in order, as "cell N: ename: evalue" (the value's first line)."""
+    errors = []
+    for i, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []):
             if out.get("output_type") == "error":
-                return f"{out.get('ename')}: {out.get('evalue')}"[:2000]
-    return None
+                value = (str(out.get("evalue") or "").splitlines() or [""])[0]
+                errors.append(f"cell {i}: {out.get('ename')}: {value}"[:500])
+    return errors
+
+
+def lab_errors(path: Path) -> list[str]:
+    """`cell_errors` of an executed lab on disk (none where the notebook cannot be read)."""
+    import nbformat
+
+    try:
+        return cell_errors(nbformat.read(path, as_version=4))
+    except Exception:  # a notebook the killed child left unreadable: the log says so elsewhere
+        return []
 
 
 def slowest_cells(path: Path, n: int = 3) -> list[list[float]]:
@@ -138,7 +153,10 @@ def slowest_cells(path: Path, n: int = 3) -> list[list[float]]:
 def run_one(path: Path, limit_s: int) -> int:
     """Child process: execute one lab in place within `limit_s` for all its cells together; the notebook
     is written back whatever happens, so a lab stopped at its limit keeps the outputs of the cells that
-    ran and their timings (nbclient records each cell's start and end in its metadata)."""
+    ran and their timings (nbclient records each cell's start and end in its metadata). A cell that
+    fails does not stop the lab: the cells after it run too, so that one call on a GPU shows every
+    failure of a lab, not only its first (later errors may follow from the first; the log lists them in
+    order)."""
     import nbclient
     import nbformat
 
@@ -148,13 +166,11 @@ def run_one(path: Path, limit_s: int) -> int:
     def cell_timeout_s(cell) -> int:  # what is left of the lab's limit (nbclient reads 0 as "no limit")
         return max(1, int(end - time.monotonic()))
 
-    client = nbclient.NotebookClient(nb, timeout_func=cell_timeout_s, kernel_name="python3",
+    client = nbclient.NotebookClient(nb, timeout_func=cell_timeout_s, kernel_name="python3", allow_errors=True,
                                      resources={"metadata": {"path": str(path.parent)}})
     status = 0
     try:
         client.execute()
-    except nbclient.exceptions.CellExecutionError:
-        status = 1
     except nbclient.exceptions.CellTimeoutError as exc:  # the lab's limit: say in which cell
         print(f"gpu-run: {path.name}: stopped at its limit of {limit_s} s. {exc}"[:1500], file=sys.stderr)
         status = 3
@@ -166,10 +182,12 @@ def run_one(path: Path, limit_s: int) -> int:
             if cell.get("id") == "install-gpulab" and not cell.get("outputs"):
                 cell["execution_count"] = None
         nbformat.write(nb, path)
-    error = first_error(nb)
-    if error:
+    errors = cell_errors(nb)
+    for error in errors[:MAX_ERRORS]:
         print(f"gpu-run: {path.name}: {error}", file=sys.stderr)
-    return status
+    if len(errors) > MAX_ERRORS:
+        print(f"gpu-run: {path.name}: {len(errors) - MAX_ERRORS} more errors, in the notebook", file=sys.stderr)
+    return 1 if errors and status == 0 else status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +274,8 @@ class Run:
             except subprocess.TimeoutExpired:
                 status, tail = "timeout", [f"killed after {limit_s + 30:.0f} s"]
             record = {"lab": path.name, "status": status, "wall_s": round(time.monotonic() - t0, 1),
-                      "slowest_cells": slowest_cells(path), "stderr_tail": tail}
+                      "slowest_cells": slowest_cells(path), "errors": lab_errors(path)[:MAX_ERRORS],
+                      "stderr_tail": tail}
         with self.lock:
             self.records.append(record)
             print(f"{record['lab']:40s} {record['status']:8s} {record['wall_s']:7.1f} s", flush=True)
