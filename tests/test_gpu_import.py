@@ -113,6 +113,15 @@ def test_the_run_section_names_each_lab_by_its_heading():
     assert "| 03 Feeding the GPU | ok | 14.7 s | yes |" in section
 
 
+def test_missed_speed_targets_are_listed():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("target(...)", outputs=[nbformat.v4.new_output(
+        "stream", name="stdout", text="MET: fused reaches 70% [measured: 84%]\nMISSED: fused is 1.5x eager "
+                                      "[measured: 1.3x]\nPASS: fused matches eager\n")])]
+    assert gpu_import.missed_targets(nbformat.writes(nb).encode()) == ["MISSED: fused is 1.5x eager [measured: 1.3x]"]
+    assert gpu_import.missed_targets(lab("print(6 * 7)")) == [] and gpu_import.missed_targets(b"not json") == []
+
+
 def test_an_archive_without_a_log_is_refused(tmp_path):
     archive = tmp_path / "bare.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:

@@ -111,6 +111,17 @@ def lab_title(lab: str, notebook: bytes) -> str:
     return f"{lab[:2]} {match.group(1).strip() if match else lab[3:].removesuffix('.ipynb').replace('-', ' ')}"
 
 
+def missed_targets(notebook: bytes) -> list[str]:
+    """The speed targets a lab's run missed (`gpulab.checks.target` prints them as MISSED: lines): a chapter
+    must say so, with the figure and why."""
+    try:
+        cells = json.loads(notebook)["cells"]
+    except (ValueError, KeyError, TypeError):
+        return []
+    return [line for cell in cells for out in cell.get("outputs", []) if out.get("name") == "stdout"
+            for line in "".join(out.get("text", "")).splitlines() if line.startswith("MISSED: ")]
+
+
 def run_section(log: dict, verdicts: dict[str, str], titles: dict[str, str] | None = None) -> str:
     """The run's section for chapters/gpu-runs.md, from its log: a person adds what the run taught."""
     versions = log.get("versions", {})
@@ -178,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-import: {args.archive}: {log.get('device', '?')}, {len(executed)} labs in the archive")
     for lab in wanted:
         print(f"  {lab:40s} {verdicts[lab]}")
+    missed = [(lab, line) for lab in wanted if not verdicts[lab].startswith("no")
+              for line in missed_targets(executed[lab])]
+    if missed:
+        print("\nSpeed targets missed (the chapter says so, with the figure and why):")
+        for lab, line in missed:
+            print(f"  {lab[:2]}: {line}")
     print("\nThe run's section for chapters/gpu-runs.md (add what it taught):\n")
     print(run_section(log, verdicts, {lab: lab_title(lab, data) for lab, data in executed.items()}))
     stale = root / "tools" / "stale_numbers.py"
