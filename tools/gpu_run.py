@@ -11,11 +11,11 @@ Run through `tools/gpu-run.sh`, which installs the carried wheels and sets the e
 
 Each lab runs in a child process (`python tools/gpu_run.py --one LAB`) that executes it with nbclient and
 writes the notebook back even when a cell fails, so the error is stored in the lab; the cells after a
-failed one run too, so that one call shows every failure. The parent kills a
-child that outlives its limit, stops starting labs at the deadline, and after every lab rewrites the
-log (`gpu-run.json`, one record per lab: status, wall time, device, versions, every error) and the
-archive of every executed lab so far: whoever runs it gets back every lab that finished, even when a
-later one fails or the whole command is cut off.
+failed one run too, so that one call shows every failure. The parent kills a child that outlives its
+limit, stops starting labs at the deadline, and after every lab rewrites the log (`gpu-run.json`, one
+record per lab: status, wall time, device, versions, every error) and the archive of every executed lab
+so far: whoever runs it gets back every lab that finished, even when a later one fails or the whole
+command is cut off.
 """
 
 from __future__ import annotations
