@@ -99,14 +99,20 @@ def nbval_failures(scratch: Path, labs: list[str], python: str) -> dict[str, str
     return failures
 
 
+def notebook_cells(notebook: bytes) -> list[dict]:
+    """A notebook's cells from its bytes; none where they are not a notebook."""
+    try:
+        cells = json.loads(notebook)["cells"]
+    except (ValueError, KeyError, TypeError):
+        return []
+    return cells if isinstance(cells, list) else []
+
+
 def lab_title(lab: str, notebook: bytes) -> str:
     """"03 Feeding the GPU", from the lab's heading ("# Lab 3: Feeding the GPU"); from its file name where
     it has none."""
-    try:
-        cells = json.loads(notebook)["cells"]
-        heading = "".join(cells[0]["source"]).splitlines()[0] if cells and cells[0].get("source") else ""
-    except (ValueError, KeyError, TypeError):
-        heading = ""
+    cells = notebook_cells(notebook)
+    heading = "".join(cells[0]["source"]).splitlines()[0] if cells and cells[0].get("source") else ""
     match = re.match(r"#\s+Lab \d+:\s*(.+)", heading)
     return f"{lab[:2]} {match.group(1).strip() if match else lab[3:].removesuffix('.ipynb').replace('-', ' ')}"
 
@@ -114,11 +120,8 @@ def lab_title(lab: str, notebook: bytes) -> str:
 def missed_targets(notebook: bytes) -> list[str]:
     """The speed targets a lab's run missed (`gpulab.checks.target` prints them as MISSED: lines): a chapter
     must say so, with the figure and why."""
-    try:
-        cells = json.loads(notebook)["cells"]
-    except (ValueError, KeyError, TypeError):
-        return []
-    return [line for cell in cells for out in cell.get("outputs", []) if out.get("name") == "stdout"
+    return [line for cell in notebook_cells(notebook) for out in cell.get("outputs", [])
+            if out.get("name") == "stdout"
             for line in "".join(out.get("text", "")).splitlines() if line.startswith("MISSED: ")]
 
 

@@ -120,27 +120,23 @@ def cell_errors(nb) -> list[str]:
     return errors
 
 
-def lab_errors(path: Path) -> list[str]:
-    """`cell_errors` of an executed lab on disk (none where the notebook cannot be read)."""
+def read_lab(path: Path):
+    """An executed lab as nbformat reads it, or None where the killed child left it unreadable (the log
+    says so elsewhere)."""
     import nbformat
 
     try:
-        return cell_errors(nbformat.read(path, as_version=4))
-    except Exception:  # a notebook the killed child left unreadable: the log says so elsewhere
-        return []
+        return nbformat.read(path, as_version=4)
+    except Exception:
+        return None
 
 
-def slowest_cells(path: Path, n: int = 3) -> list[list[float]]:
+def slowest_cells(nb, n: int = 3) -> list[list[float]]:
     """The `n` slowest cells of an executed lab as [cell index, seconds], from nbclient's timestamps."""
-    import nbformat
     from datetime import datetime
 
-    try:
-        cells = nbformat.read(path, as_version=4).cells
-    except Exception:  # a notebook the killed child left unreadable: the log says so elsewhere
-        return []
     times = []
-    for i, cell in enumerate(cells):
+    for i, cell in enumerate(nb.cells):
         run = cell.get("metadata", {}).get("execution", {})
         start, end = run.get("iopub.execute_input"), run.get("shell.execute_reply")
         if start and end:
@@ -273,9 +269,10 @@ class Run:
                 tail = [l for l in child.stderr.strip().splitlines() if "running over TCP" not in l][-25:]
             except subprocess.TimeoutExpired:
                 status, tail = "timeout", [f"killed after {limit_s + 30:.0f} s"]
+            executed = read_lab(path)
             record = {"lab": path.name, "status": status, "wall_s": round(time.monotonic() - t0, 1),
-                      "slowest_cells": slowest_cells(path), "errors": lab_errors(path)[:MAX_ERRORS],
-                      "stderr_tail": tail}
+                      "slowest_cells": slowest_cells(executed) if executed else [],
+                      "errors": cell_errors(executed)[:MAX_ERRORS] if executed else [], "stderr_tail": tail}
         with self.lock:
             self.records.append(record)
             print(f"{record['lab']:40s} {record['status']:8s} {record['wall_s']:7.1f} s", flush=True)
