@@ -59,6 +59,11 @@ def _library() -> ctypes.CDLL:
         for lib in ("lib", "lib64"):
             found = sorted((root / lib).glob("libnvrtc.so*")) if (root / lib).is_dir() else []
             for path in (p for p in found if "builtins" not in p.name):
+                # NVRTC opens libnvrtc-builtins by name when it compiles. The 13.5 wheel's libnvrtc finds
+                # it beside itself (RPATH $ORIGIN); the 13.0 wheel's, which torch 2.13's CUDA build
+                # pins, has no RPATH. A library already loaded under that soname satisfies the lookup.
+                for builtins in sorted((root / lib).glob("libnvrtc-builtins.so*")):
+                    ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
                 return ctypes.CDLL(str(path))
     raise RuntimeError("NVRTC not found: `pip install nvidia-cuda-nvrtc nvidia-cuda-runtime` "
                        "(or install the CUDA toolkit and set CUDA_HOME)")
