@@ -14,7 +14,7 @@ import torch
 
 from gpulab.kernels import (check_cuda_sources, fuse_swiglu, load_cpu, nvrtc, source, swiglu_backward_reference,
                             swiglu_eager, swiglu_fused)
-from gpulab.kernels.build import CUDA_ARCHS, KERNEL_DIR, cuda_kernel_names, ensure_ninja
+from gpulab.kernels.build import CUDA_ARCHS, KERNEL_DIR, cuda_kernel_names, ensure_ninja, extension_name
 from gpulab.models import build_model
 from gpulab.presets import PRESETS
 from gpulab.profiling import kernels
@@ -88,6 +88,17 @@ def test_cuda_extension_builds_links_and_loads_against_this_torch(tmp_path, monk
     build_cuda()
     with pytest.raises(RuntimeError, match="gate must be a CUDA tensor"):  # the refusal raises, no crash
         torch.ops.gpulab_cuda.swiglu_forward(torch.ones(2, 8), torch.ones(2, 8))
+
+
+def test_each_torch_version_builds_in_its_own_folder(monkeypatch):
+    # torch 2.14+ leaves a build folder's `lock` file behind, and torch 2.13 and earlier wait while it
+    # exists: in a shared folder (same Python and CUDA tags, e.g. torch 2.14.1 and 2.13.0 on CUDA 13.0)
+    # the older one's build hung (seen with the environments of README's `make test-gpu-image`)
+    names = set()
+    for version in ("2.13.0+cu130", "2.14.1+cu130", "2.13.0+cpu"):
+        monkeypatch.setattr(torch, "__version__", version)
+        names.add(extension_name("gpulab_swiglu_cpu"))
+    assert len(names) == 3 and all(name.isidentifier() for name in names), names
 
 
 def test_cuda_operator_registration_compiles():

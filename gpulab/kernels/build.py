@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,16 @@ class SwiGLUKernels:
     name: str
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def extension_name(base: str) -> str:
+    """The name load_inline builds under (and its folder in the cache), one per torch version.
+
+    torch 2.14 and later lock a build with an advisory lock and leave the folder's `lock` file behind;
+    torch 2.13 and earlier wait for as long as that file exists. Two versions sharing one folder (the
+    cache is keyed by Python and CUDA version only) would hang the older one's build with no message.
+    """
+    return f"{base}_torch{re.sub(r'[^0-9a-zA-Z]', '_', torch.__version__)}"
 
 
 def source(name: str) -> str:
@@ -83,7 +94,7 @@ def load_cpu(verbose: bool = False) -> SwiGLUKernels:
     from torch.utils.cpp_extension import load_inline
 
     load_inline(
-        name="gpulab_swiglu_cpu", cpp_sources=[source("swiglu_cpu.cpp")], extra_cflags=cpu_flags(),
+        name=extension_name("gpulab_swiglu_cpu"), cpp_sources=[source("swiglu_cpu.cpp")], extra_cflags=cpu_flags(),
         is_python_module=False, no_implicit_headers=True, verbose=verbose)
     ops = torch.ops.gpulab_cpu
     return SwiGLUKernels("C++ (CPU)", ops.swiglu_forward, ops.swiglu_backward)
@@ -110,7 +121,7 @@ def build_cuda(verbose: bool = False) -> None:
                            "and set CUDA_HOME to the folder that holds bin/nvcc")
     ensure_ninja()
     load_inline(
-        name="gpulab_swiglu_cuda", cpp_sources=[source("swiglu_cuda_ops.cpp")],
+        name=extension_name("gpulab_swiglu_cuda"), cpp_sources=[source("swiglu_cuda_ops.cpp")],
         cuda_sources=[source("swiglu_cuda.cu")], extra_include_paths=[str(KERNEL_DIR)],
         extra_cuda_cflags=["-O3"], is_python_module=False, no_implicit_headers=True, verbose=verbose)
 
