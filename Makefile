@@ -28,6 +28,8 @@ install: $(STAMP)
 # replaces those lines of constraints.txt); torch stays the CPU build of constraints.txt. A third one
 # adds the GPU machine's torch 2.11 (PyPI's CUDA build, about 4.5 GB, which runs on a CPU; not in CI):
 #   make test-gpu-image GPU_VENV=.venv-gpu-torch GPU_CONSTRAINTS="constraints-gpu-image.txt constraints-gpu-torch.txt"
+# A fourth has the newest torch and transformers (constraints-latest.txt; PyPI's CUDA build too; not in CI):
+#   make test-gpu-image GPU_VENV=.venv-latest GPU_CONSTRAINTS=constraints-latest.txt
 # (--no-cache-dir: a cached copy of those wheels would double that on disk)
 GPU_VENV        ?= .venv-gpu-image
 GPU_CONSTRAINTS ?= constraints-gpu-image.txt
