@@ -4,6 +4,10 @@ parameters and gradients, two layers' parameters, a layer's gradients and the re
 `reshard_after_forward=False`, every layer gathered from its forward to its backward. Here both are held
 against the allocator.
 
+The calculator counts the installed torch's FSDP2 (`torch_version`): from 2.15 forward frees each layer's
+all-gather buffer before the next layer copies out of its own, which lowers the ZeRO-2 peak of the
+setups whose peak was that copy.
+
 `gpulab.fsdp_memory.fsdp_step_peak_bytes` plays rank 0 of n ranks in one process (a fake process group:
 FSDP2 allocates its all-gather and reduce-scatter buffers as with NCCL, the collectives move nothing;
 gloo would add a staging copy of each all-gather, lab 12 shows it) and reads the CPU allocator's events
@@ -66,7 +70,8 @@ def test_zero_peak_matches_fsdp2(name, stage):
     """ZeRO-3 is FSDP2's default; ZeRO-2 is FSDP2 with reshard_after_forward=False (the calculator's
     `fsdp2_zero2_peak`, beside its DeepSpeed count)."""
     shape, kw = CASES[name]
-    setup = TrainingSetup(**{"precision": "fp32", "optimizer": "adamw", "zero_stage": stage, **kw})
+    setup = TrainingSetup(**{"precision": "fp32", "optimizer": "adamw", "zero_stage": stage,
+                             "torch_version": torch.__version__, **kw})
     est = estimate(shape, setup)
     predicted = above_rest(est, setup)
     measured = fsdp_step_peak_bytes(shape, setup)
@@ -142,7 +147,7 @@ def test_checkpointed_segments_hold_more_than_counted(every, batch, stage, most)
     by up to 30% under ZeRO-3 and 15% under ZeRO-2 (per-layer checkpointing by `transformers` matches
     it, see CASES)."""
     setup = TrainingSetup(precision="fp32", zero_stage=stage, world_size=2, batch_size=batch, seq_len=64,
-                          checkpointing=True, checkpoint_every=every)
+                          checkpointing=True, checkpoint_every=every, torch_version=torch.__version__)
     est = estimate(DEEP, setup)
     ratio = fsdp_step_peak_bytes(DEEP, setup) / above_rest(est, setup)
     print(f"ZeRO-{stage}, segments of {every}: FSDP2 / calculator = {ratio:.3f}")

@@ -1,5 +1,6 @@
 """The calculator against published figures and against itself."""
 
+import dataclasses
 import math
 
 import pytest
@@ -119,6 +120,7 @@ def test_lora_trains_only_adapters():
 @pytest.mark.parametrize("kwargs", [
     {"zero_stage": 4}, {"world_size": 0}, {"optimizer": "adamax"}, {"precision": "fp8"},
     {"seq_len": -1}, {"attention": "flash"}, {"quantization": "nf3"}, {"lora_targets": ("wq",)},
+    {"torch_version": "latest"}, {"torch_version": "2"},
 ])
 def test_bad_setups_are_rejected(kwargs):
     with pytest.raises(ValueError):
@@ -185,3 +187,29 @@ def test_activations_plus_backward_extra_is_the_activation_peak():
     plain = estimate(shape, TrainingSetup(precision="bf16", seq_len=4096))
     loss_gradients = 2 * 4 * 4096 * shape.vocab_size
     assert 0.99 * loss_gradients < plain.backward_extra <= loss_gradients
+
+
+def test_torch_version_reads_a_version_string():
+    from gpulab.memory.calculator import torch_minor
+
+    assert torch_minor("2.15.0+cu132") == torch_minor("2.15") == (2, 15)
+    assert torch_minor("2.9.1") < torch_minor("2.13") < torch_minor("2.15.0")
+
+
+def test_fsdp2_zero2_of_torch_215_holds_one_all_gather_buffer_less_in_forward():
+    """Up to torch 2.14 FSDP2's forward holds the layer below's all-gather buffer while a layer copies out
+    of its own; 2.15 frees it first (tests/test_fsdp_peak.py measures both). Where that copy is the
+    ZeRO-2 peak, 2.15's peak is one layer's parameters lower, and the older count's note gives it."""
+    shape = ModelShape(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4,
+                       num_kv_heads=2)
+    setup = TrainingSetup(precision="fp32", zero_stage=2, world_size=4, batch_size=1, seq_len=64)
+    old, new = estimate(shape, setup), estimate(shape, dataclasses.replace(setup, torch_version="2.15.0+cu132"))
+    layer_bytes = 4 * (shape.layer_linear_params() + 2 * shape.hidden_size)
+    assert 0 < old.fsdp2_zero2_peak - new.fsdp2_zero2_peak <= layer_bytes
+    assert any(f"peak {new.fsdp2_zero2_peak / 1e9:.3f} GB there" in n for n in old.notes)
+    assert not any("torch 2.15" in n for n in new.notes)
+    # the DeepSpeed count, ZeRO-3 and a step without FSDP2 do not depend on it
+    for stage in (0, 2, 3):
+        a = estimate(shape, dataclasses.replace(setup, zero_stage=stage))
+        b = estimate(shape, dataclasses.replace(setup, zero_stage=stage, torch_version="2.15"))
+        assert (a.peak, a.total) == (b.peak, b.total)

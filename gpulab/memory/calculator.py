@@ -24,7 +24,7 @@ parallelism (Korthikanti et al. 2022, section 4.2). `world_size` stays the data-
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 from gpulab.memory.policy import Precision, get_optimizer, get_precision, optimizer_state_bytes
@@ -35,6 +35,15 @@ ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 QUANT_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
 QUANT_BLOCK = 64  # QLoRA's block size for 4-bit weights
 DOUBLE_QUANT_BLOCK = 256  # block size of the second-level (8-bit) quantization of the absmax values
+
+
+def torch_minor(version: str) -> tuple[int, int]:
+    """(2, 15) from "2.15", "2.15.0" or "2.15.0+cu132"."""
+    major, _, rest = version.partition(".")
+    minor = rest.split(".")[0].split("+")[0]
+    if not (major.isdigit() and minor.isdigit()):
+        raise ValueError(f"torch_version must look like '2.13' or torch.__version__, got {version!r}")
+    return int(major), int(minor)
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,12 @@ class TrainingSetup:
     # micro-batches per optimizer step: from the second one on, backward starts with every gradient
     # alive (without accumulation `zero_grad(set_to_none=True)` leaves none when forward runs)
     grad_accumulation: int = 1
+    # the PyTorch whose FSDP2 the ZeRO-2 peak counts ("2.15", or a torch.__version__ such as "2.15.0+cu132"):
+    # up to 2.14 forward holds a layer's all-gather buffer while the next layer copies out of its own
+    torch_version: str = "2.13"
 
     def __post_init__(self) -> None:
+        torch_minor(self.torch_version)  # refuses what is not a version
         get_precision(self.precision)
         get_optimizer(self.optimizer)
         if self.zero_stage not in (0, 1, 2, 3):
@@ -585,11 +598,13 @@ def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape,
       its reduce-scatter, after the embedding's backward: the LM head's from its backward on, with tied
       embeddings the head's share, the embedding's and their sum;
     - a layer's parameters arrive in the all-gather's buffer and are copied into the layer's own (G
-      each). Forward keeps the buffer until the next layer's copy, the top layer's until forward ends;
-      backward frees it after the copy. As backward starts, the root gathers the top layer; each layer,
-      once its own are copied, gathers the next one down (`_backward_prefetch`); the bottom layer
-      gathers nothing. A checkpointed segment's recomputation gathers all its k layers, and each stays
-      gathered until its own backward ends: (k + 1) G as it starts, k G after its top layer;
+      each). Forward keeps the buffer until the next layer has copied out of its own (torch 2.14 and
+      earlier: `wait_for_unshard` drops the last reference after that copy; 2.15 frees it before), the
+      top layer's until forward ends; backward frees it after the copy. As backward starts, the root
+      gathers the top layer; each layer, once its own are copied, gathers the next one down
+      (`_backward_prefetch`); the bottom layer gathers nothing. A checkpointed segment's recomputation
+      gathers all its k layers, and each stays gathered until its own backward ends: (k + 1) G as it
+      starts, k G after its top layer;
     - a layer's gradients are whole (R) when its backward ends, when what it saved is freed (without
       ZeRO the calculator leaves a layer's own gradients out; here they are a whole layer's); they go
       into the reduce-scatter's input, as big, which lives until the next reduce-scatter starts:
@@ -601,7 +616,8 @@ def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape,
     Under ZeRO-2 (`reshard_after_forward=False`) no layer is resharded after its forward or gathered in
     backward: each keeps its parameters from its forward to the end of its backward. Forward's most is
     then as the top layer copies its parameters out of the all-gather's buffer, the layer below's buffer
-    still alive; backward's, at a unit's backward, that unit and every one below it gathered.
+    still alive up to torch 2.14 (2.15 has freed it, `setup.torch_version`); backward's, at a unit's
+    backward, that unit and every one below it gathered.
     """
     G, R, n = fsdp.layer, fsdp.layer_grads, setup.world_size
     k = min(setup.checkpoint_every, shape.num_layers) if setup.checkpointing else 1  # layers per unit
@@ -613,13 +629,14 @@ def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape,
     head = fsdp.head_table * (1 - 1 / n)
     chunked = 0 < setup.loss_chunk_tokens < setup.batch_size * setup.seq_len
     if kept:
-        # the top layer's forward copies its parameters out of its all-gather's buffer while the layer
-        # below's buffer is still alive: every layer's own and two buffers, beside what the layers
-        # below saved, the top layer's input and the gradients already there (accumulating)
+        # the top layer's forward copies its parameters out of its all-gather's buffer (up to torch 2.14
+        # while the layer below's buffer is still alive): every layer's own and one or two buffers, beside
+        # what the layers below saved, the top layer's input and the gradients already there (accumulating)
+        buffers = 2 if torch_minor(setup.torch_version) < (2, 15) else 1
         terms = activation_terms(shape, setup)
         below = terms.kept - (terms.head - terms.ids) - (0.0 if terms.segments else terms.layer - terms.input)
         moments["forward of the top layer"] = (moments["end of forward"] - terms.end_of_forward + below
-                                               + fsdp.root + (L + 2) * G)
+                                               + fsdp.root + (L + buffers) * G)
     gathered = L * G if kept else G  # as backward starts (ZeRO-3: the top layer, which the root gathers)
     # as forward ends, the top layer's all-gather buffer is still alive (ZeRO-2: beside every layer's own)
     moments["end of forward"] += fsdp.root + gathered + (G if kept else 0.0)
@@ -773,6 +790,14 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
                      f"FSDP2 with reshard_after_forward=False keeps only their shard between steps, but from a "
                      f"layer's forward to its backward the whole layer, and each layer's gradients whole until "
                      f"its reduce-scatter: peak {fsdp2_zero2_peak / 1e9:.3f} GB")
+        if torch_minor(setup.torch_version) < (2, 15):
+            newer = replace(setup, torch_version="2.15")
+            newer_peak = param_bytes / n + opt_bytes + kv + max(
+                step_moments(shape, newer, held, grad_bytes, temporaries, 0.0, fsdp2_whole).values())
+            if newer_peak < fsdp2_zero2_peak:
+                notes.append(f"FSDP2 of torch 2.15 or later frees each layer's all-gather buffer in forward before "
+                             f"the next layer copies out of its own: peak {newer_peak / 1e9:.3f} GB there "
+                             f"(counted for torch {setup.torch_version})")
         if setup.checkpointing and setup.checkpoint_every > 1:
             notes.append("ZeRO-2 with checkpointed segments of several layers: FSDP2 under gpulab's "
                          "checkpoint_in_segments was measured holding up to 15% more than its peak above on a "
