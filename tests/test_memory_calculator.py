@@ -198,7 +198,7 @@ def test_torch_version_reads_a_version_string():
 
 def test_fsdp2_zero2_of_torch_215_holds_one_all_gather_buffer_less_in_forward():
     """Up to torch 2.14 FSDP2's forward holds the layer below's all-gather buffer while a layer copies out
-    of its own; 2.15 frees it first (tests/test_fsdp_peak.py measures both). Where that copy is the
+    of its own; 2.15 frees it first (tests/test_fsdp_peak.py measures the installed one). Where that copy is the
     ZeRO-2 peak, 2.15's peak is one layer's parameters lower, and the older count's note gives it."""
     shape = ModelShape(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4,
                        num_kv_heads=2)
