@@ -37,6 +37,10 @@ QUANT_BLOCK = 64  # QLoRA's block size for 4-bit weights
 DOUBLE_QUANT_BLOCK = 256  # block size of the second-level (8-bit) quantization of the absmax values
 
 
+# the first torch whose FSDP2 frees a layer's all-gather buffer in forward before the next layer's copy-out
+FSDP2_FREES_BUFFER_FIRST = "2.15"
+
+
 def torch_minor(version: str) -> tuple[int, int]:
     """(2, 15) from "2.15", "2.15.0" or "2.15.0+cu132"."""
     major, _, rest = version.partition(".")
@@ -100,6 +104,12 @@ class TrainingSetup:
             raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {', '.join(ALL_LINEARS)}")
         if self.tp_degree > 1 and (self.lora_rank or self.quantization):
             raise ValueError("tensor parallelism is modelled for full training only (no LoRA, no quantized weights)")
+
+    @property
+    def fsdp2_frees_buffer_first(self) -> bool:
+        """Whether this torch's FSDP2 frees a layer's all-gather buffer in forward before the next layer
+        copies out of its own (2.15 and later); up to 2.14 both are alive during that copy."""
+        return torch_minor(self.torch_version) >= torch_minor(FSDP2_FREES_BUFFER_FIRST)
 
 
 @dataclass(frozen=True)
@@ -632,7 +642,7 @@ def _fsdp_moments(moments: dict[str, float], fsdp: FsdpWhole, shape: ModelShape,
         # the top layer's forward copies its parameters out of its all-gather's buffer (up to torch 2.14
         # while the layer below's buffer is still alive): every layer's own and one or two buffers, beside
         # what the layers below saved, the top layer's input and the gradients already there (accumulating)
-        buffers = 2 if torch_minor(setup.torch_version) < (2, 15) else 1
+        buffers = 1 if setup.fsdp2_frees_buffer_first else 2
         terms = activation_terms(shape, setup)
         below = terms.kept - (terms.head - terms.ids) - (0.0 if terms.segments else terms.layer - terms.input)
         moments["forward of the top layer"] = (moments["end of forward"] - terms.end_of_forward + below
@@ -784,20 +794,22 @@ def estimate(model: Model, setup: TrainingSetup | None = None) -> MemoryEstimate
     if setup.zero_stage == 2 and n > 1 and shape is not None and setup.seq_len:
         # PyTorch has no DeepSpeed-style stage 2: FSDP2 with reshard_after_forward=False is its ZeRO-2
         fsdp2_whole = fsdp_whole_bytes(shape, setup, param_bytes, held * prec.grad_bytes, root_elem, root_grad_elem)
-        fsdp2_moments = step_moments(shape, setup, held, grad_bytes, temporaries, 0.0, fsdp2_whole)
-        fsdp2_zero2_peak = param_bytes / n + opt_bytes + kv + max(fsdp2_moments.values())
+
+        def fsdp2_peak(s: TrainingSetup) -> float:
+            return param_bytes / n + opt_bytes + kv + max(
+                step_moments(shape, s, held, grad_bytes, temporaries, 0.0, fsdp2_whole).values())
+
+        fsdp2_zero2_peak = fsdp2_peak(setup)
         notes.append(f"ZeRO-2 counted as DeepSpeed runs it, the whole parameters on every GPU all the time; "
                      f"FSDP2 with reshard_after_forward=False keeps only their shard between steps, but from a "
                      f"layer's forward to its backward the whole layer, and each layer's gradients whole until "
                      f"its reduce-scatter: peak {fsdp2_zero2_peak / 1e9:.3f} GB")
-        if torch_minor(setup.torch_version) < (2, 15):
-            newer = replace(setup, torch_version="2.15")
-            newer_peak = param_bytes / n + opt_bytes + kv + max(
-                step_moments(shape, newer, held, grad_bytes, temporaries, 0.0, fsdp2_whole).values())
+        if not setup.fsdp2_frees_buffer_first:
+            newer_peak = fsdp2_peak(replace(setup, torch_version=FSDP2_FREES_BUFFER_FIRST))
             if newer_peak < fsdp2_zero2_peak:
-                notes.append(f"FSDP2 of torch 2.15 or later frees each layer's all-gather buffer in forward before "
-                             f"the next layer copies out of its own: peak {newer_peak / 1e9:.3f} GB there "
-                             f"(counted for torch {setup.torch_version})")
+                notes.append(f"FSDP2 of torch {FSDP2_FREES_BUFFER_FIRST} or later frees each layer's all-gather "
+                             f"buffer in forward before the next layer copies out of its own: "
+                             f"peak {newer_peak / 1e9:.3f} GB there (counted for torch {setup.torch_version})")
         if setup.checkpointing and setup.checkpoint_every > 1:
             notes.append("ZeRO-2 with checkpointed segments of several layers: FSDP2 under gpulab's "
                          "checkpoint_in_segments was measured holding up to 15% more than its peak above on a "
