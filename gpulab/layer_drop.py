@@ -15,7 +15,9 @@ only and hands it to the model's forward; the model decides which layers run.
 A skipped layer is the identity, x -> x: with pre-LN residual blocks the residual stream passes
 through untouched, and neither forward nor backward touches the layer (its parameters get no
 gradient). A layer that runs scales its two residual branches, attention and MLP, by 1 / p_i, so
-that each branch adds in expectation what it adds in eval, where every layer runs unscaled.
+that for a given input the attention branch adds in expectation what it adds in eval, where every
+layer runs unscaled; the MLP branch only approximately, since its input already carries the scaled
+attention output (one draw gates both).
 """
 
 from __future__ import annotations
