@@ -23,6 +23,7 @@ from gpulab.kbit_upcast import kbit_upcast_bytes
 from gpulab.live_bytes import LiveBytes
 from gpulab.losses import chunked_lm_loss
 from gpulab.memory.calculator import TrainingSetup, estimate
+from gpulab.memory.policy import BNB_BLOCK
 from gpulab.memory.shapes import ModelShape
 from gpulab.models import build_model, load_pretrained
 from gpulab.timing import synchronize
@@ -55,12 +56,29 @@ def rung_setups(batch: int, seq: int, lora_rank: int = 16, padded: bool = False,
             "LoRA": lora, "QLoRA": qlora, "+ chunked CE": replace(qlora, loss_chunk_tokens=chunk_tokens)}
 
 
+def trainer_8bit_embedding_bytes(shape: ModelShape) -> int:
+    """What `transformers.Trainer` adds to the calculator's 8-bit AdamW states in full fine-tuning.
+
+    With a bitsandbytes 8-bit optimizer the Trainer registers every `nn.Embedding` with
+    `GlobalOptimManager` to keep its states in 32 bits (`{"optim_bits": 32}`): two fp32 moments, where
+    the calculator counts two 8-bit moments with one fp32 constant per block of `BNB_BLOCK` values.
+    One table: an untied LM head is an `nn.Linear` and keeps 8-bit states."""
+    table = shape.vocab_size * shape.hidden_size
+    return 2 * 4 * table - 2 * (table + 4 * -(-table // BNB_BLOCK))
+
+
 def predicted_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
-    """The calculator's peak, plus what `prepare_model_for_kbit_training` adds when the base is
-    quantized: its fp32 upcast of the embeddings, norms and LM head (over a 16-bit base), and, with the
-    loss over all tokens at once, the 16-bit copy of the upcast LM head that autocast
-    (`Trainer(bf16=True)`) saves for backward, alive at the start of backward where such a step peaks."""
+    """The calculator's peak, plus what the libraries add to it.
+
+    - Full fine-tuning with 8-bit AdamW: the Trainer's 32-bit states for the embedding
+      (`trainer_8bit_embedding_bytes`).
+    - A quantized base: `prepare_model_for_kbit_training`'s fp32 upcast of the embeddings, norms and LM
+      head (over a 16-bit base), and, with the loss over all tokens at once, the 16-bit copy of the
+      upcast LM head that autocast (`Trainer(bf16=True)`) saves for backward, alive at the start of
+      backward where such a step peaks."""
     peak = estimate(shape, setup).peak
+    if setup.optimizer == "adamw-8bit" and not setup.lora_rank:
+        peak += trainer_8bit_embedding_bytes(shape)
     if setup.quantization:
         peak += kbit_upcast_bytes(shape, 2)
         if not setup.loss_chunk_tokens:

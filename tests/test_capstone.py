@@ -7,8 +7,10 @@ import torch
 from transformers import DataCollatorForSeq2Seq, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from gpulab.capstone import (CHECKPOINT_ENV, ChunkedLossTrainer, StepProbe, TokenCounter, chat_tokenizer,
-                             checkpoint_path, checkpoint_shape, encode_chat, load_base, release_bitsandbytes_state)
+                             checkpoint_path, checkpoint_shape, encode_chat, load_base, predicted_bytes,
+                             release_bitsandbytes_state, rung_setups, trainer_8bit_embedding_bytes)
 from gpulab.data import make_examples
+from gpulab.memory import estimate
 from gpulab.presets import PRESETS
 
 SHAPE = dataclasses.replace(PRESETS["tiny"].shape, num_layers=2)
@@ -109,3 +111,36 @@ def test_release_bitsandbytes_state_drops_the_old_models():
     release_bitsandbytes_state()
     assert manager.module_weight_config_triple == [] and manager.pid2config == {}
     assert bnb.functional.GlobalPageManager.get_instance().paged_tensors == []
+
+
+def _adamw8bit_state_bytes(shape, keep_32_bits):
+    """bitsandbytes' AdamW8bit state for one embedding table after a step, with or without the override
+    that `transformers.Trainer` registers for every `nn.Embedding`."""
+    import bitsandbytes as bnb
+
+    release_bitsandbytes_state()
+    embedding = torch.nn.Embedding(shape.vocab_size, shape.hidden_size)
+    if keep_32_bits:
+        bnb.optim.GlobalOptimManager.get_instance().register_module_override(embedding, "weight",
+                                                                             {"optim_bits": 32})
+    optimizer = bnb.optim.AdamW8bit(embedding.parameters(), lr=1e-3)
+    embedding.weight.sum().backward()
+    optimizer.step()
+    release_bitsandbytes_state()
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+
+
+def test_trainer_8bit_embedding_bytes_is_what_the_override_adds_in_bitsandbytes():
+    # 8-bit state also holds two 256-entry fp32 quantization maps per tensor (2 KiB), which the
+    # calculator leaves out: the override adds exactly the function's bytes less those maps
+    added = _adamw8bit_state_bytes(SHAPE, True) - _adamw8bit_state_bytes(SHAPE, False)
+    assert added == trainer_8bit_embedding_bytes(SHAPE) - 2 * 256 * 4
+
+
+def test_predicted_bytes_adds_the_embedding_states_to_full_fine_tuning_with_8bit_adamw_only():
+    rungs = rung_setups(1, 64, lora_rank=8)
+    extra = {name: predicted_bytes(SHAPE, setup) - estimate(SHAPE, setup).peak
+             for name, setup in rungs.items() if not setup.quantization}
+    assert extra == {"fp32": 0, "bf16 mixed": 0, "+ checkpointing": 0,
+                     "+ 8-bit AdamW": trainer_8bit_embedding_bytes(SHAPE), "LoRA": 0}
