@@ -13,9 +13,9 @@ Run it by hand on one machine (gloo over CPU processes, or NCCL with a GPU per p
 
     torchrun --nproc-per-node=2 labs/scripts/11_allreduce_bandwidth.py --out bw.json
 
-on two machines (run on each, node-rank 0 and 1; host is node 0's address):
+on two machines (the same line on each; host is one of them, and the rendezvous numbers the nodes):
 
-    torchrun --nnodes=2 --nproc-per-node=8 --node-rank=0 --rdzv-backend=c10d \
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=host:29500 labs/scripts/11_allreduce_bandwidth.py --out bw.json
 """
 

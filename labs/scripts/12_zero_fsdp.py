@@ -26,9 +26,9 @@ Run by hand (gloo on CPU processes, NCCL with a GPU per process):
 
     torchrun --nproc-per-node=2 labs/scripts/12_zero_fsdp.py --steps 3 --out zero.json
 
-On two nodes (run on each, node-rank 0 and 1):
+On two nodes (the same line on each; host is one of them, and the rendezvous numbers the nodes):
 
-    torchrun --nnodes=2 --nproc-per-node=8 --node-rank=0 --rdzv-backend=c10d \
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=host:29500 labs/scripts/12_zero_fsdp.py --out zero.json
 """
 

@@ -6,8 +6,8 @@ every stage's forward and backward; saved-activation bytes held per stage; and a
 the same model and micro-batches run on one rank without pipelining, timed while the other rank waits.
 
 One node:   torchrun --nproc-per-node=2 labs/scripts/13_pipeline.py --out pipeline.json
-Two nodes (one stage per node; run on each, node-rank 0 and 1):
-            torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0 --rdzv-backend=c10d \
+Two nodes (one stage per node; the same line on each, the rendezvous numbers the nodes):
+            torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \
                      --rdzv-endpoint=host:29500 labs/scripts/13_pipeline.py --out pipeline.json
 
 The model is a plain stack of Linear + GELU blocks (the pipelining API wants plain modules), split in
