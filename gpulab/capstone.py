@@ -23,7 +23,7 @@ from gpulab.kbit_upcast import kbit_upcast_bytes
 from gpulab.live_bytes import LiveBytes
 from gpulab.losses import chunked_lm_loss
 from gpulab.memory.calculator import TrainingSetup, estimate
-from gpulab.memory.policy import BNB_BLOCK
+from gpulab.memory.policy import get_optimizer, get_precision, optimizer_state_bytes
 from gpulab.memory.shapes import ModelShape
 from gpulab.models import build_model, load_pretrained
 from gpulab.timing import synchronize
@@ -61,10 +61,11 @@ def trainer_8bit_embedding_bytes(shape: ModelShape) -> int:
 
     With a bitsandbytes 8-bit optimizer the Trainer registers every `nn.Embedding` with
     `GlobalOptimManager` to keep its states in 32 bits (`{"optim_bits": 32}`): two fp32 moments, where
-    the calculator counts two 8-bit moments with one fp32 constant per block of `BNB_BLOCK` values.
-    One table: an untied LM head is an `nn.Linear` and keeps 8-bit states."""
-    table = shape.vocab_size * shape.hidden_size
-    return 2 * 4 * table - 2 * (table + 4 * -(-table // BNB_BLOCK))
+    the calculator counts its 8-bit state (`optimizer_state_bytes`). One table: an untied LM head is an
+    `nn.Linear` and keeps 8-bit states."""
+    table = (shape.vocab_size, shape.hidden_size)
+    eight_bit = optimizer_state_bytes(get_optimizer("adamw-8bit"), get_precision("fp32"), [table], 0.0)
+    return 2 * 4 * table[0] * table[1] - int(eight_bit)
 
 
 def predicted_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
